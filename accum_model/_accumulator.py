@@ -1,0 +1,127 @@
+"""Per-replica gradient accumulators and the counters of the open window.
+
+Vocabulary, used everywhere in accum_model: a *micro step* is one
+micro-batch seen by `train_step`; a *window* is the micro steps whose
+gradients make one optimizer update; a *gradient step* is that update.
+"""
+
+import tensorflow as tf
+
+_ON_READ = tf.VariableSynchronization.ON_READ
+
+
+class GradientWindow:
+    """The state of the window being accumulated, one copy per replica.
+
+    Accumulators are float32 whatever the compute dtype. They are
+    synchronised on read: each replica adds its own gradients without any
+    communication, and the window end reduces them once. Counters are equal
+    on all replicas, so each replica keeps its own copy and reading one in
+    cross-replica context returns the first replica's.
+
+    The variables are deliberately not tracked by Keras: they are transient
+    training state, not weights, so they stay out of `model.weights`,
+    `save_weights()` and `.keras` files.
+
+    Args:
+        trainable_variables: List of the model's trainable variables, in the
+            order gradients will be given.
+        strategy: The `tf.distribute.Strategy` the model trains under.
+    """
+
+    def __init__(self, trainable_variables, strategy):
+        self.trainable_variables = list(trainable_variables)
+        # Which variables received a gradient, learned when the training
+        # step is traced; variables without one are never updated.
+        self.has_gradient = [True] * len(self.trainable_variables)
+        with strategy.scope():
+            self.gradient_sums = [
+                tf.Variable(
+                    tf.zeros(variable.shape, tf.float32),
+                    trainable=False,
+                    synchronization=_ON_READ,
+                    aggregation=tf.VariableAggregation.SUM,
+                    name=f"accumulated_{_short_name(variable)}",
+                )
+                for variable in self.trainable_variables
+            ]
+            self.weight_sum = self._scalar("window_weight", tf.float32, "sum")
+            self.micro_steps = self._scalar("window_micro_steps", tf.int64)
+            # Micro steps left before the epoch ends; negative when unknown.
+            self.steps_left_in_epoch = self._scalar(
+                "steps_left_in_epoch", tf.int64, initial=-1
+            )
+            self.skipped_windows = self._scalar("skipped_windows", tf.int64)
+
+    @staticmethod
+    def _scalar(name, dtype, aggregation="first", initial=0):
+        return tf.Variable(
+            tf.constant(initial, dtype),
+            trainable=False,
+            synchronization=_ON_READ,
+            aggregation=(
+                tf.VariableAggregation.SUM
+                if aggregation == "sum"
+                else tf.VariableAggregation.ONLY_FIRST_REPLICA
+            ),
+            name=name,
+        )
+
+    def matches(self, trainable_variables):
+        """Whether this window was built for exactly these variables."""
+        current = list(trainable_variables)
+        return len(current) == len(self.trainable_variables) and all(
+            a is b for a, b in zip(current, self.trainable_variables)
+        )
+
+    @property
+    def accumulator_bytes(self):
+        """Bytes held by one replica's accumulators."""
+        return sum(4 * int(s.shape.num_elements()) for s in self.gradient_sums)
+
+    def add(self, gradients, weight):
+        """Adds `weight * gradient` to each accumulator (replica context)."""
+        self.has_gradient = [g is not None for g in gradients]
+        for gradient_sum, gradient in zip(self.gradient_sums, gradients):
+            if gradient is None:
+                continue
+            if isinstance(gradient, tf.IndexedSlices):
+                gradient = tf.convert_to_tensor(gradient)
+            gradient_sum.assign_add(tf.cast(gradient, tf.float32) * weight)
+        self.weight_sum.assign_add(weight)
+        self.micro_steps.assign_add(1)
+        self.steps_left_in_epoch.assign_sub(1)
+
+    def local_is_finite(self):
+        """1.0 if this replica's accumulators are all finite, else 0.0."""
+        finite = [
+            tf.reduce_all(tf.math.is_finite(s))
+            for s, used in zip(self.gradient_sums, self.has_gradient)
+            if used
+        ]
+        return tf.cast(tf.reduce_all(tf.stack(finite)), tf.float32)
+
+    def mean_gradients(self, total_weight):
+        """This replica's share of the window gradient (replica context).
+
+        Summing the result over replicas gives the weighted mean gradient of
+        the whole window. Entries are None for variables without gradient.
+        """
+        return [
+            tf.cast(s / total_weight, v.dtype) if used else None
+            for s, v, used in zip(
+                self.gradient_sums, self.trainable_variables, self.has_gradient
+            )
+        ]
+
+    def reset(self):
+        """Empties the window (replica context)."""
+        for gradient_sum in self.gradient_sums:
+            gradient_sum.assign(tf.zeros_like(gradient_sum))
+        self.weight_sum.assign(0.0)
+        self.micro_steps.assign(0)
+
+
+def _short_name(variable):
+    name = getattr(variable, "path", None) or variable.name
+    return name.replace("/", "_").replace(":", "_")

@@ -1,0 +1,82 @@
+"""Everything that knows about `keras.optimizers.LossScaleOptimizer`.
+
+Keras 3's `LossScaleOptimizer` scales the loss with `scale_loss()` and
+unscales, checks and applies in one `apply()` call per step. A window spans
+several micro steps, so accum_model takes those duties apart: each micro
+step scales its loss and unscales its gradients into float32 accumulators,
+and the window end applies the unscaled mean gradient with the *inner*
+optimizer, then updates the dynamic scale exactly as `LossScaleOptimizer`
+would after one step on the large batch.
+"""
+
+import tensorflow as tf
+from keras import optimizers
+
+
+class LossScaling:
+    """Loss-scaling duties for the optimizer a model was compiled with.
+
+    Args:
+        optimizer: The compiled optimizer, a `LossScaleOptimizer` or not.
+    """
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        if isinstance(optimizer, optimizers.LossScaleOptimizer):
+            self.loss_scale_optimizer = optimizer
+            self.update_optimizer = optimizer.inner_optimizer
+        else:
+            self.loss_scale_optimizer = None
+            self.update_optimizer = optimizer
+
+    @property
+    def active(self):
+        return self.loss_scale_optimizer is not None
+
+    def current_scale(self):
+        """The scale in force now, as a float32 tensor."""
+        lso = self.loss_scale_optimizer
+        if lso.built:
+            return tf.convert_to_tensor(lso.dynamic_scale, tf.float32)
+        return tf.constant(lso.initial_scale, tf.float32)
+
+    def scale_loss(self, loss):
+        if not self.active:
+            return loss
+        return loss * tf.cast(self.current_scale(), loss.dtype)
+
+    def unscale_gradients(self, gradients):
+        if not self.active:
+            return gradients
+        inverse = 1.0 / self.current_scale()
+        return [
+            None if g is None else g * tf.cast(inverse, g.dtype)
+            for g in gradients
+        ]
+
+    def after_update(self):
+        """Counts one applied update; doubles the scale every growth period."""
+        lso = self.loss_scale_optimizer
+        if lso is None:
+            return
+
+        def grow():
+            lso.step_counter.assign(0)
+            lso.dynamic_scale.assign(lso.dynamic_scale * 2.0)
+
+        def count():
+            lso.step_counter.assign_add(1)
+
+        tf.cond(
+            tf.equal(lso.step_counter, lso.dynamic_growth_steps - 1),
+            grow,
+            count,
+        )
+
+    def after_overflow(self):
+        """Halves the scale once and restarts the growth period."""
+        lso = self.loss_scale_optimizer
+        if lso is None:
+            return
+        lso.step_counter.assign(0)
+        lso.dynamic_scale.assign(lso.dynamic_scale * 0.5)

@@ -1,0 +1,66 @@
+"""Running code per replica or across replicas, from either context.
+
+The window-end logic is written once and runs in replica context (the
+default strategy, and strategies that update without `merge_call`) or in
+cross-replica context (inside `merge_call`, as MirroredStrategy needs for an
+optimizer update taken under a condition). These helpers hide which.
+"""
+
+import tensorflow as tf
+
+from accum_model import _keras_private
+
+
+def for_each_replica(fn, *args):
+    """Runs `fn(*args)` once on every replica and returns its result(s)."""
+    if tf.distribute.in_cross_replica_context():
+        strategy = tf.distribute.get_strategy()
+        return strategy.extended.call_for_each_replica(fn, args=args)
+    return fn(*args)
+
+
+def sum_over_replicas(fn):
+    """Sums the tensor `fn()` computes on each replica; one reduction."""
+    if tf.distribute.in_cross_replica_context():
+        strategy = tf.distribute.get_strategy()
+        per_replica = strategy.extended.call_for_each_replica(fn)
+        return strategy.reduce(
+            tf.distribute.ReduceOp.SUM, per_replica, axis=None
+        )
+    return tf.distribute.get_replica_context().all_reduce(
+        tf.distribute.ReduceOp.SUM, fn()
+    )
+
+
+def run_if(predicate, fn):
+    """From replica context, runs `fn()` when `predicate` holds.
+
+    `predicate` must be equal on all replicas. Where the strategy needs
+    `merge_call` for optimizer updates, the condition is taken in
+    cross-replica context, because a `merge_call` inside a replica-context
+    `tf.cond` raises a RuntimeError under MirroredStrategy. `fn` must work in
+    both contexts (see `for_each_replica`, `sum_over_replicas`).
+    """
+    if _keras_private.strategy_supports_no_merge_call():
+        tf.cond(predicate, _returning_nothing(fn), _do_nothing)
+        return
+
+    def cross_replica(strategy, per_replica_predicate):
+        # Every replica computed the same predicate: take the first.
+        value = strategy.experimental_local_results(per_replica_predicate)[0]
+        tf.cond(value, _returning_nothing(fn), _do_nothing)
+
+    tf.distribute.get_replica_context().merge_call(
+        cross_replica, args=(predicate,)
+    )
+
+
+def _returning_nothing(fn):
+    def branch():
+        fn()
+
+    return branch
+
+
+def _do_nothing():
+    pass
