@@ -79,15 +79,33 @@ class GradientWindow:
         """Bytes held by one replica's accumulators."""
         return sum(4 * int(s.shape.num_elements()) for s in self.gradient_sums)
 
-    def add(self, gradients, weight):
-        """Adds `weight * gradient` to each accumulator (replica context)."""
+    def add(self, gradients, weight, gradient_scale=1.0):
+        """Adds a micro step to the window (replica context).
+
+        Args:
+            gradients: List of gradients (or None), one per variable.
+            weight: Float32 scalar, the micro-batch's share of the window.
+            gradient_scale: Float32 scalar the gradients are multiplied by
+                before they are added, with `weight` folded in.
+        """
         self.has_gradient = [g is not None for g in gradients]
         for gradient_sum, gradient in zip(self.gradient_sums, gradients):
             if gradient is None:
                 continue
             if isinstance(gradient, tf.IndexedSlices):
-                gradient = tf.convert_to_tensor(gradient)
-            gradient_sum.assign_add(tf.cast(gradient, tf.float32) * weight)
+                # Rows are summed into the dense accumulator: the window
+                # gradient is the exact gradient of the window's loss.
+                gradient_sum.scatter_add(
+                    tf.IndexedSlices(
+                        tf.cast(gradient.values, tf.float32) * gradient_scale,
+                        gradient.indices,
+                        gradient.dense_shape,
+                    )
+                )
+                continue
+            gradient_sum.assign_add(
+                tf.cast(gradient, tf.float32) * gradient_scale
+            )
         self.weight_sum.assign_add(weight)
         self.micro_steps.assign_add(1)
         self.steps_left_in_epoch.assign_sub(1)

@@ -32,6 +32,23 @@ def sum_over_replicas(fn):
     )
 
 
+def clip_once(gradients):
+    """Replica context: gives the first replica the summed gradients.
+
+    The optimizer clips what each replica hands it, then sums over replicas.
+    Handing the full sum to one replica and zeros to the others makes it clip
+    the sum, as on one device: clipping leaves a zero gradient at zero.
+    """
+    context = tf.distribute.get_replica_context()
+    present = [g for g in gradients if g is not None]
+    summed = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, present))
+    is_first = tf.cast(tf.equal(context.replica_id_in_sync_group, 0), tf.float32)
+    return [
+        None if g is None else next(summed) * tf.cast(is_first, g.dtype)
+        for g in gradients
+    ]
+
+
 def run_if(predicate, fn):
     """From replica context, runs `fn()` when `predicate` holds.
 

@@ -205,6 +205,14 @@ class AccumulatingModel(keras.Model):
                 self.trainable_variables, strategy
             )
         self._loss_scaling = LossScaling(self.optimizer)
+        # Keras clips each replica's gradients before summing them over
+        # replicas; to clip the window's gradient as one device would, it is
+        # summed first (one more reduction per window, only in this case).
+        update_optimizer = self._loss_scaling.update_optimizer
+        self._reduce_before_clipping = strategy.num_replicas_in_sync > 1 and any(
+            getattr(update_optimizer, name, None) is not None
+            for name in ("clipnorm", "clipvalue", "global_clipnorm")
+        )
         self._compute_loss_takes_training = (
             "training" in inspect.signature(self.compute_loss).parameters
         )
@@ -264,7 +272,7 @@ class AccumulatingModel(keras.Model):
             self.micro_batch_weight(x, y, y_pred, sample_weight), tf.float32
         )
         window = self._gradient_window
-        window.add(gradients, weight * num_replicas)
+        window.add(gradients, weight, gradient_scale=weight * num_replicas)
         self._track_loss(x, loss, num_replicas)
 
         window_full = window.micro_steps >= self.n_gradients
@@ -341,6 +349,8 @@ class AccumulatingModel(keras.Model):
         """Replica context: hands the window gradient to the optimizer."""
         window = self._gradient_window
         gradients = window.mean_gradients(total_weight)
+        if self._reduce_before_clipping:
+            gradients = _replicas.clip_once(gradients)
         pairs = [
             (g, v)
             for g, v in zip(gradients, window.trainable_variables)

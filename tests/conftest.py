@@ -1,0 +1,30 @@
+"""Shared test set-up: two logical CPU devices, quiet TensorFlow, clean policy."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+# Distribution tests need two replicas; the split must happen before
+# TensorFlow initialises its devices, so it is done once, here.
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    _cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+)
+
+
+@pytest.fixture(autouse=True)
+def float32_policy():
+    """Every test starts and ends under the float32 policy."""
+    keras.mixed_precision.set_global_policy("float32")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.fixture
+def two_replicas():
+    """A MirroredStrategy over the two logical CPU devices."""
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])

@@ -1,0 +1,74 @@
+"""Models, data and comparisons shared by the tests."""
+
+import keras
+import numpy as np
+
+from accum_model import AccumulatingModel
+
+
+def regression_data(samples=100, features=6, outputs=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(samples, features)).astype("float32")
+    w = rng.normal(size=(features, outputs)).astype("float32")
+    y = (np.tanh(x @ w) + 0.1 * rng.normal(size=(samples, outputs))).astype(
+        "float32"
+    )
+    return x, y
+
+
+def classification_data(samples=100, features=6, classes=4, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(samples, features)).astype("float32")
+    y = (np.abs(x[:, 0] * 3 + x[:, 1]).astype(int) % classes).astype("int32")
+    return x, y
+
+
+def mlp(model_class, n_gradients=None, features=6, outputs=3, seed=1,
+        activation=None, **kwargs):
+    """A two-layer perceptron built with the functional API of `model_class`."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((features,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    predictions = keras.layers.Dense(outputs, activation=activation)(hidden)
+    if n_gradients is not None:
+        kwargs["n_gradients"] = n_gradients
+    return model_class(inputs=inputs, outputs=predictions, **kwargs)
+
+
+def max_weight_difference(model_a, model_b):
+    return max(
+        float(np.max(np.abs(a - b)))
+        for a, b in zip(model_a.get_weights(), model_b.get_weights())
+    )
+
+
+def iterations(model):
+    return int(np.asarray(model.optimizer.iterations.numpy()))
+
+
+def fit_both(build, make_optimizer, x, y, micro_batch, n_gradients,
+             epochs=2, compile_kwargs=None, fit_kwargs=None,
+             large_fit_kwargs=None, strategy=None, loss="mse"):
+    """Trains plain Keras on batches of n*b and an AccumulatingModel on b.
+
+    Both start from the same weights; returns (plain, accumulating).
+    """
+    compile_kwargs = compile_kwargs or {}
+    fit_kwargs = fit_kwargs or {}
+    plain = build(keras.Model)
+    plain.compile(optimizer=make_optimizer(), loss=loss, **compile_kwargs)
+    plain.fit(x, y, batch_size=micro_batch * n_gradients, epochs=epochs,
+              shuffle=False, verbose=0, **(large_fit_kwargs or fit_kwargs))
+    if strategy is None:
+        accumulating = build(AccumulatingModel, n_gradients=n_gradients)
+        accumulating.compile(optimizer=make_optimizer(), loss=loss,
+                             **compile_kwargs)
+    else:
+        with strategy.scope():
+            accumulating = build(AccumulatingModel, n_gradients=n_gradients)
+            accumulating.compile(optimizer=make_optimizer(), loss=loss,
+                                 **compile_kwargs)
+    accumulating.set_weights(build(keras.Model).get_weights())
+    accumulating.fit(x, y, batch_size=micro_batch, epochs=epochs,
+                     shuffle=False, verbose=0, **fit_kwargs)
+    return plain, accumulating
