@@ -27,9 +27,11 @@ class GradientWindow:
         trainable_variables: List of the model's trainable variables, in the
             order gradients will be given.
         strategy: The `tf.distribute.Strategy` the model trains under.
+        steps_left_in_epoch: Int. Micro steps until the current epoch ends,
+            or -1 when unknown.
     """
 
-    def __init__(self, trainable_variables, strategy):
+    def __init__(self, trainable_variables, strategy, steps_left_in_epoch=-1):
         self.trainable_variables = list(trainable_variables)
         # Which variables received a gradient, learned when the training
         # step is traced; variables without one are never updated.
@@ -49,7 +51,7 @@ class GradientWindow:
             self.micro_steps = self._scalar("window_micro_steps", tf.int64)
             # Micro steps left before the epoch ends; negative when unknown.
             self.steps_left_in_epoch = self._scalar(
-                "steps_left_in_epoch", tf.int64, initial=-1
+                "steps_left_in_epoch", tf.int64, initial=steps_left_in_epoch
             )
             self.skipped_windows = self._scalar("skipped_windows", tf.int64)
 

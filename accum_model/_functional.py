@@ -37,5 +37,6 @@ def functional_variant(cls):
                 "__doc__": cls.__doc__,
             },
         )
+        _keras_private.serialize_as(variant, cls)
         _functional_variants[cls] = variant
     return variant

@@ -15,12 +15,8 @@ class WindowCallback(keras.callbacks.Callback):
         self.accumulating_model = accumulating_model
 
     def on_epoch_begin(self, epoch, logs=None):
-        model = self.accumulating_model
         steps = self.params.get("steps") if self.params else None
-        known = model.flush_each_epoch and steps
-        model._gradient_window.steps_left_in_epoch.assign(
-            steps if known else -1
-        )
+        self.accumulating_model._start_epoch(steps)
 
     def on_epoch_end(self, epoch, logs=None):
         # The training step applies the open window on the epoch's last

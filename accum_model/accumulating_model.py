@@ -67,6 +67,7 @@ class AccumulatingModel(keras.Model):
         self.n_gradients = n_gradients
         self.flush_each_epoch = flush_each_epoch
         self._gradient_window = None
+        self._epoch_steps = -1
         self._loss_scaling = None
         self._apply_open_window_function = None
 
@@ -81,12 +82,6 @@ class AccumulatingModel(keras.Model):
             }
         )
         return config
-
-    def compile(self, optimizer="rmsprop", *args, **kwargs):
-        super().compile(optimizer, *args, **kwargs)
-        if self.n_gradients > 1:
-            _checks.check_optimizer_does_not_accumulate(self.optimizer)
-            _checks.check_loss_reductions(tree.flatten(self.loss))
 
     # Public state ----------------------------------------------------------
 
@@ -159,8 +154,7 @@ class AccumulatingModel(keras.Model):
     def fit(self, *args, **kwargs):
         if self.n_gradients == 1:
             return super().fit(*args, **kwargs)
-        _checks.check_optimizer_does_not_accumulate(self.optimizer)
-        _checks.check_strategy(self.distribute_strategy)
+        self._check_ready_to_accumulate()
         bound = inspect.signature(keras.Model.fit).bind(self, *args, **kwargs)
         arguments = bound.arguments
         arguments["callbacks"] = self._with_window_callback(
@@ -168,6 +162,12 @@ class AccumulatingModel(keras.Model):
         )
         del arguments["self"]
         return super().fit(**arguments)
+
+    def _check_ready_to_accumulate(self):
+        """Raises before training if the compiled set-up cannot accumulate."""
+        _checks.check_optimizer_does_not_accumulate(self.optimizer)
+        _checks.check_strategy(self.distribute_strategy)
+        _checks.check_loss_reductions(tree.flatten(self.loss))
 
     def _with_window_callback(self, callbacks):
         window_callback = WindowCallback(self)
@@ -182,28 +182,19 @@ class AccumulatingModel(keras.Model):
             return super().make_train_function(force)
         if self.train_function is not None and not force:
             return self.train_function
-        self._prepare_window()
+        self._check_ready_to_accumulate()
+        self._settle_configuration()
+        if self.built:
+            self._build_training_state()
         super().make_train_function(force)
         self.train_function = self._applying_open_window_at_end_of_data(
             self.train_function
         )
         return self.train_function
 
-    def _prepare_window(self):
-        """Settles the configuration and builds the training variables."""
+    def _settle_configuration(self):
+        """Decides, once per compiled set-up, how windows are applied."""
         strategy = self.distribute_strategy
-        if not self.optimizer.built:
-            with strategy.scope():
-                self.optimizer.build(self.trainable_variables)
-        window = self._gradient_window
-        if window is not None and not window.matches(self.trainable_variables):
-            if int(window.micro_steps.numpy()):
-                self.apply_open_window()
-            window = None
-        if window is None:
-            self._gradient_window = GradientWindow(
-                self.trainable_variables, strategy
-            )
         self._loss_scaling = LossScaling(self.optimizer)
         # Keras clips each replica's gradients before summing them over
         # replicas; to clip the window's gradient as one device would, it is
@@ -217,6 +208,33 @@ class AccumulatingModel(keras.Model):
             "training" in inspect.signature(self.compute_loss).parameters
         )
         self._apply_open_window_function = self._make_apply_open_window()
+
+    def _build_training_state(self):
+        """Creates optimizer and window variables for the model's weights.
+
+        Needs the model's weights, which a subclassed model only has after
+        its first call: then it runs while the training step is traced.
+        """
+        strategy = self.distribute_strategy
+        if not self.optimizer.built:
+            with strategy.scope():
+                self.optimizer.build(self.trainable_variables)
+        window = self._gradient_window
+        if window is not None and not window.matches(self.trainable_variables):
+            if int(window.micro_steps.numpy()):
+                self.apply_open_window()
+            window = None
+        if window is None:
+            self._gradient_window = GradientWindow(
+                self.trainable_variables, strategy, self._epoch_steps
+            )
+
+    def _start_epoch(self, steps):
+        """Called as an epoch begins, with its micro steps if known."""
+        known = self.flush_each_epoch and steps
+        self._epoch_steps = int(steps) if known else -1
+        if self._gradient_window is not None:
+            self._gradient_window.steps_left_in_epoch.assign(self._epoch_steps)
 
     def _applying_open_window_at_end_of_data(self, train_function):
         def train_function_applying_open_window(iterator):
@@ -259,6 +277,9 @@ class AccumulatingModel(keras.Model):
         num_replicas = self.distribute_strategy.num_replicas_in_sync
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
+            if self._gradient_window is None:
+                with tf.init_scope():
+                    self._build_training_state()
             loss = self._micro_batch_loss(x, y, y_pred, sample_weight)
             scaled_loss = self.get_scaled_loss(loss)
         trainable_variables = self._gradient_window.trainable_variables

@@ -1,0 +1,325 @@
+"""The contract of AccumulatingModel: arguments, counts, state, callbacks."""
+
+import keras
+import numpy as np
+import pytest
+
+from accum_model import AccumulatingModel
+from helpers import iterations
+from helpers import max_weight_difference
+from helpers import mlp
+from helpers import regression_data
+
+
+class Recorder(keras.callbacks.Callback):
+    """Records, after every micro-batch, what a user callback can see."""
+
+    def __init__(self):
+        super().__init__()
+        self.iterations = []
+        self.kernels = []
+        self.slots = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        optimizer = self.model.optimizer
+        self.iterations.append(int(optimizer.iterations.numpy()))
+        self.kernels.append(self.model.layers[1].kernel.numpy().copy())
+        self.slots.append([v.numpy().copy() for v in optimizer.variables[1:]])
+
+
+def _compiled(n_gradients=4, optimizer=None, **kwargs):
+    model = mlp(AccumulatingModel, n_gradients=n_gradients, **kwargs)
+    model.compile(optimizer=optimizer or keras.optimizers.Adam(0.01),
+                  loss="mse")
+    return model
+
+
+@pytest.mark.parametrize(
+    "value", [0, -1, 2.5, "4", None, True, False, 4.0, [4]]
+)
+def test_bad_n_gradients_is_refused_at_construction(value):
+    inputs = keras.Input((3,))
+    outputs = keras.layers.Dense(1)(inputs)
+    with pytest.raises(ValueError, match="n_gradients") as error:
+        AccumulatingModel(inputs=inputs, outputs=outputs, n_gradients=value)
+    assert f"Received: n_gradients={value!r}" in str(error.value)
+
+
+def test_bad_n_gradients_is_refused_for_subclasses():
+    class Net(AccumulatingModel):
+        def __init__(self, **kwargs):
+            super().__init__(n_gradients=0, **kwargs)
+
+    with pytest.raises(ValueError, match="n_gradients=0"):
+        Net()
+
+
+@pytest.mark.parametrize("value", [None, 1, "yes"])
+def test_bad_flush_each_epoch_is_refused(value):
+    with pytest.raises(ValueError, match="flush_each_epoch"):
+        mlp(AccumulatingModel, n_gradients=2, flush_each_epoch=value)
+
+
+def test_n_gradients_is_kept():
+    assert mlp(AccumulatingModel, n_gradients=3).n_gradients == 3
+    assert mlp(AccumulatingModel).n_gradients == 1
+
+
+def test_optimizer_that_accumulates_is_refused_before_training():
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(
+        optimizer=keras.optimizers.SGD(gradient_accumulation_steps=2),
+        loss="mse",
+    )
+    x, y = regression_data(samples=16)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+        model.fit(x, y, batch_size=8, verbose=0)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+        model.train_on_batch(x, y)
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def test_optimizer_swapped_after_compile_is_checked_too():
+    model = _compiled()
+    model.optimizer = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(gradient_accumulation_steps=3)
+    )
+    weights = model.get_weights()
+    x, y = regression_data(samples=16)
+    with pytest.raises(ValueError, match="accumulated twice"):
+        model.fit(x, y, batch_size=8, verbose=0)
+    assert max(np.abs(a - b).max()
+               for a, b in zip(weights, model.get_weights())) == 0.0
+
+
+def test_loss_with_sum_reduction_is_refused():
+    model = mlp(AccumulatingModel, n_gradients=2)
+    model.compile(
+        optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="sum")
+    )
+    x, y = regression_data(samples=16)
+    with pytest.raises(ValueError, match="reduction='sum'"):
+        model.fit(x, y, batch_size=8, verbose=0)
+
+
+def test_updates_counted_once_per_window_and_at_epoch_end():
+    x, y = regression_data(samples=100)
+    model = _compiled()
+    recorder = Recorder()
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+              callbacks=[recorder])
+    # 13 micro-batches an epoch: windows end after micro-batches 4, 8, 12
+    # and, at the end of the epoch, 13 (4 samples).
+    first_epoch = [0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 4]
+    assert recorder.iterations == first_epoch + [i + 4 for i in first_epoch]
+    assert iterations(model) == 8
+
+
+def test_weights_and_optimizer_slots_move_only_at_window_ends():
+    x, y = regression_data(samples=64)
+    model = _compiled()
+    initial_kernel = model.layers[1].kernel.numpy().copy()
+    recorder = Recorder()
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+              callbacks=[recorder])
+    kernels = [initial_kernel] + recorder.kernels
+    for step in range(1, 9):
+        moved = not np.array_equal(kernels[step], kernels[step - 1])
+        assert moved == (step % 4 == 0), step
+    for step in (1, 2, 5, 6):
+        for before, after in zip(recorder.slots[step - 1],
+                                 recorder.slots[step]):
+            np.testing.assert_array_equal(before, after)
+    assert any(
+        not np.array_equal(before, after)
+        for before, after in zip(recorder.slots[2], recorder.slots[3])
+    )
+
+
+def test_callbacks_see_every_micro_batch_and_history_has_compiled_metrics():
+    x, y = regression_data(samples=100)
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    recorder = Recorder()
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                        verbose=0, validation_data=(x[:20], y[:20]),
+                        callbacks=[recorder])
+    assert len(recorder.iterations) == 26
+    assert set(history.history) == {"loss", "mae", "val_loss", "val_mae"}
+    assert all(len(v) == 2 for v in history.history.values())
+
+
+def test_reported_loss_is_the_micro_batch_loss_weighted_by_samples():
+    # With a learning rate of 0 nothing moves, so the epoch loss must be the
+    # loss of the whole data set, exactly as `evaluate` computes it.
+    x, y = regression_data(samples=100)
+    model = _compiled(optimizer=keras.optimizers.SGD(0.0))
+    history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False,
+                        verbose=0)
+    expected = model.evaluate(x, y, batch_size=100, verbose=0)
+    np.testing.assert_allclose(history.history["loss"][0], expected,
+                               rtol=1e-5)
+
+
+def test_n_gradients_1_is_plain_keras():
+    x, y = regression_data(samples=100)
+    plain = mlp(keras.Model)
+    plain.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    ours = mlp(AccumulatingModel, n_gradients=1)
+    ours.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    ours.set_weights(plain.get_weights())
+    plain_history = plain.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                              verbose=0)
+    our_history = ours.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                           verbose=0)
+    assert max_weight_difference(plain, ours) == 0.0
+    assert iterations(ours) == iterations(plain) == 26
+    assert our_history.history == plain_history.history
+
+
+def _windows_reference(x, y, windows, optimizer):
+    """Plain Keras taking one step per window on the window's samples."""
+    plain = mlp(keras.Model)
+    plain.compile(optimizer=optimizer, loss="mse")
+    for window in windows:
+        plain.train_on_batch(x[window], y[window])
+    return plain
+
+
+def test_windows_carried_across_epochs_and_applied_when_fit_returns():
+    x, y = regression_data(samples=100)
+    model = _compiled(optimizer=keras.optimizers.Adam(0.01),
+                      flush_each_epoch=False)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    epoch = list(range(100))
+    micro = [epoch[i:i + 8] for i in range(0, 100, 8)] * 2  # 26 batches
+    windows = [sum(micro[i:i + 4], []) for i in range(0, 26, 4)]
+    # The 4th window spans both epochs; the 7th (2 micro-batches) is what
+    # was still open when fit() returned.
+    assert [len(w) for w in windows] == [32, 32, 32, 28, 32, 32, 12]
+    plain = _windows_reference(x, y, windows, keras.optimizers.Adam(0.01))
+    assert iterations(model) == 7
+    assert max_weight_difference(plain, model) <= 1e-5
+
+
+def test_window_cut_by_stop_training_is_applied():
+    class StopAfterFifth(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 4:
+                self.model.stop_training = True
+
+    x, y = regression_data(samples=100)
+    model = _compiled(optimizer=keras.optimizers.SGD(0.1))
+    model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+              callbacks=[StopAfterFifth()])
+    plain = _windows_reference(
+        x, y, [list(range(32)), list(range(32, 40))],
+        keras.optimizers.SGD(0.1),
+    )
+    assert iterations(model) == 2
+    assert max_weight_difference(plain, model) <= 1e-6
+
+
+def test_accumulators_are_not_weights():
+    x, y = regression_data(samples=32)
+    plain = mlp(keras.Model)
+    model = _compiled()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert len(model.weights) == len(plain.weights)
+    assert len(model.trainable_weights) == len(plain.trainable_weights)
+    assert len(model.non_trainable_weights) == 0
+    assert model.accumulator_bytes == 4 * sum(
+        int(np.prod(w.shape)) for w in model.trainable_weights
+    )
+
+
+def test_evaluate_and_predict_are_those_of_keras():
+    x, y = regression_data(samples=40)
+    plain = mlp(keras.Model)
+    plain.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    plain.set_weights(model.get_weights())
+    assert model.evaluate(x, y, verbose=0) == plain.evaluate(x, y, verbose=0)
+    np.testing.assert_array_equal(model.predict(x, verbose=0),
+                                  plain.predict(x, verbose=0))
+
+
+def test_gradients_of_frozen_layers_are_not_applied():
+    x, y = regression_data(samples=64)
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.layers[1].trainable = False
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    frozen = model.layers[1].kernel.numpy().copy()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    np.testing.assert_array_equal(frozen, model.layers[1].kernel.numpy())
+    assert len(model.trainable_weights) == 2
+
+
+def test_unsupported_strategy_is_refused_before_training():
+    import tensorflow as tf
+
+    strategy = tf.distribute.experimental.CentralStorageStrategy(
+        ["/cpu:0", "/cpu:1"]
+    )
+    with strategy.scope():
+        model = _compiled()
+    x, y = regression_data(samples=16)
+    with pytest.raises(ValueError, match="CentralStorageStrategy"):
+        model.fit(x, y, batch_size=8, verbose=0)
+
+
+_BOTH_USES = """
+import os, sys
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+import keras, numpy as np
+from accum_model import AccumulatingModel
+
+bases_before = AccumulatingModel.__bases__
+
+def functional():
+    inputs = keras.Input((3,))
+    model = AccumulatingModel(inputs=inputs,
+                              outputs=keras.layers.Dense(2)(inputs),
+                              n_gradients=2)
+    return model
+
+class Net(AccumulatingModel):
+    def __init__(self, **kwargs):
+        super().__init__(n_gradients=2, **kwargs)
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, inputs):
+        return self.dense(inputs)
+
+def subclassed():
+    return Net()
+
+x = np.ones((8, 3), "float32")
+y = np.zeros((8, 2), "float32")
+for make in [{order}]:
+    model = make()
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=4, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 1, make
+    assert isinstance(model, AccumulatingModel)
+    assert type(model).__name__ in ("AccumulatingModel", "Net")
+assert AccumulatingModel.__bases__ == bases_before
+print("ok")
+"""
+
+
+@pytest.mark.parametrize(
+    "order", ["functional, subclassed", "subclassed, functional"]
+)
+def test_functional_and_subclassed_use_in_one_process(order):
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", _BOTH_USES.replace("{order}", order)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("ok")
