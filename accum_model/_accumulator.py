@@ -94,9 +94,13 @@ class GradientWindow:
         for gradient_sum, gradient in zip(self.gradient_sums, gradients):
             if gradient is None:
                 continue
-            if isinstance(gradient, tf.IndexedSlices):
+            if isinstance(gradient, tf.IndexedSlices) and not isinstance(
+                gradient_sum, tf.distribute.DistributedValues
+            ):
                 # Rows are summed into the dense accumulator: the window
                 # gradient is the exact gradient of the window's loss.
+                # (Synchronised-on-read variables cannot scatter; there the
+                # rows are summed into a dense tensor first.)
                 gradient_sum.scatter_add(
                     tf.IndexedSlices(
                         tf.cast(gradient.values, tf.float32) * gradient_scale,

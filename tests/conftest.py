@@ -24,7 +24,12 @@ def float32_policy():
     keras.mixed_precision.set_global_policy("float32")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def two_replicas():
-    """A MirroredStrategy over the two logical CPU devices."""
+    """A MirroredStrategy over the two logical CPU devices.
+
+    One instance serves the whole session: with a new strategy per test,
+    a later test's collective ops failed with "Shape mismatch in the
+    collective instance" against an earlier test's gradient shapes.
+    """
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
