@@ -323,3 +323,13 @@ def test_functional_and_subclassed_use_in_one_process(order):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("ok")
+
+
+def test_ci_runs_the_readme_test_command():
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    command = 'python -m pip install -e ".[test]" && python -m pytest'
+    assert command in readme
+    assert command in (root / ".ci" / "run").read_text().splitlines()
