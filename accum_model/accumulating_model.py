@@ -299,7 +299,11 @@ class AccumulatingModel(keras.Model):
         window_full = window.micro_steps >= self.n_gradients
         epoch_ends = tf.equal(window.steps_left_in_epoch, 0)
         self._end_window_if(tf.logical_or(window_full, epoch_ends))
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        if self._loss_scaling.active:
+            # An overflow must never pass silently: show the count.
+            logs = {**logs, "skipped_windows": window.skipped_windows.value()}
+        return logs
 
     def _micro_batch_loss(self, x, y, y_pred, sample_weight):
         if self._compute_loss_takes_training:

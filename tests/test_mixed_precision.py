@@ -1,0 +1,198 @@
+"""Mixed precision: loss scaled per micro-batch, overflow skips the window."""
+
+import keras
+import numpy as np
+import pytest
+
+from accum_model import AccumulatingModel
+from helpers import fit_both
+from helpers import iterations
+from helpers import max_weight_difference
+from helpers import mlp
+from helpers import regression_data
+
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.1),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+}
+
+
+def _explicit_loss_scaling(make_optimizer):
+    return lambda: keras.optimizers.LossScaleOptimizer(
+        make_optimizer(), initial_scale=2.0**12
+    )
+
+
+def _fit_under(policy, make_optimizer, x, y, strategy=None, epochs=2):
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        return fit_both(mlp, make_optimizer, x, y, micro_batch=8,
+                        n_gradients=4, epochs=epochs, strategy=strategy)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def _float32_large_batch(make_optimizer, x, y, epochs=2):
+    model = mlp(keras.Model)
+    model.compile(optimizer=make_optimizer(), loss="mse")
+    history = model.fit(x, y, batch_size=32, epochs=epochs, shuffle=False,
+                        verbose=0)
+    return model, history
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("loss_scaling", ["implicit", "explicit"])
+def test_mixed_float16_matches_mixed_large_batch(name, loss_scaling):
+    x, y = regression_data(samples=96)
+    make_optimizer = OPTIMIZERS[name]
+    if loss_scaling == "explicit":
+        make_optimizer = _explicit_loss_scaling(make_optimizer)
+    plain, accumulating = _fit_under("mixed_float16", make_optimizer, x, y)
+    assert isinstance(accumulating.optimizer,
+                      keras.optimizers.LossScaleOptimizer)
+    assert iterations(accumulating) == iterations(plain) == 6
+    # float16 rounds the large batch's own gradient: how far that run is
+    # from float32 sets the scale of "equal up to float16 rounding". A
+    # gradient scaled twice, or not unscaled, misses it by orders.
+    float32_model, _ = _float32_large_batch(OPTIMIZERS[name], x, y)
+    rounding = max_weight_difference(plain, float32_model)
+    assert max_weight_difference(plain, accumulating) <= 2 * rounding + 1e-6
+
+
+def test_reported_loss_is_unscaled():
+    x, y = regression_data(samples=96)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer=OPTIMIZERS["sgd"](), loss="mse")
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                        verbose=0)
+    keras.mixed_precision.set_global_policy("float32")
+    reference = mlp(AccumulatingModel, n_gradients=4)
+    reference.compile(optimizer=OPTIMIZERS["sgd"](), loss="mse")
+    float32_history = reference.fit(x, y, batch_size=8, epochs=2,
+                                    shuffle=False, verbose=0)
+    np.testing.assert_allclose(history.history["loss"],
+                               float32_history.history["loss"], rtol=0.03)
+    assert history.history["skipped_windows"] == [0, 0]
+
+
+def _data_with_overflow_in_second_window():
+    x, y = regression_data(samples=64)
+    y = y.copy()
+    # Sample 41 is in micro-batch 6, the second window. Its error, times
+    # the loss scale, overflows float16 in the backward pass.
+    y[41] = 1e4
+    return x, y
+
+
+def test_overflow_skips_the_whole_window():
+    x, y = _data_with_overflow_in_second_window()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    first_window_only = mlp(AccumulatingModel, n_gradients=4)
+    first_window_only.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    initial_scale = 2.0**15
+    history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False,
+                        verbose=0)
+    first_window_only.fit(x[:32], y[:32], batch_size=8, epochs=1,
+                          shuffle=False, verbose=0)
+
+    assert iterations(model) == 1
+    assert model.skipped_windows == 1
+    assert history.history["skipped_windows"] == [1]
+    assert float(model.optimizer.dynamic_scale.numpy()) == initial_scale / 2
+    assert max_weight_difference(model, first_window_only) == 0.0
+
+    clean_x, clean_y = regression_data(samples=64)
+    model.fit(clean_x, clean_y, batch_size=8, epochs=1, shuffle=False,
+              verbose=0)
+    assert iterations(model) == 3
+    assert model.skipped_windows == 1
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+
+
+def test_scale_grows_with_updates_not_micro_batches():
+    x, y = regression_data(samples=128)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(
+        optimizer=keras.optimizers.LossScaleOptimizer(
+            OPTIMIZERS["sgd"](), initial_scale=2.0**8,
+            dynamic_growth_steps=2,
+        ),
+        loss="mse",
+    )
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    # 16 micro-batches, 4 updates: the scale doubles after updates 2 and 4.
+    assert iterations(model) == 4
+    assert float(model.optimizer.dynamic_scale.numpy()) == 2.0**10
+
+
+def test_mixed_bfloat16_matches_bfloat16_large_batch():
+    x, y = regression_data(samples=96)
+    plain, accumulating = _fit_under("mixed_bfloat16", OPTIMIZERS["sgd"],
+                                     x, y)
+    assert not isinstance(accumulating.optimizer,
+                          keras.optimizers.LossScaleOptimizer)
+    float32_model, _ = _float32_large_batch(OPTIMIZERS["sgd"], x, y)
+    rounding = max_weight_difference(plain, float32_model)
+    assert iterations(accumulating) == 6
+    assert max_weight_difference(plain, accumulating) <= 2 * rounding + 1e-6
+
+
+class DoubledGradients(AccumulatingModel):
+    """Scales the loss by 2 more than it unscales: twice the gradient."""
+
+    def get_scaled_loss(self, loss):
+        return super().get_scaled_loss(loss) * 2.0
+
+    def get_unscaled_gradients(self, gradients):
+        return super().get_unscaled_gradients(gradients)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_overridden_scaling_hooks_are_used(policy):
+    x, y = regression_data(samples=64)
+    keras.mixed_precision.set_global_policy(policy)
+    model = mlp(DoubledGradients, n_gradients=4)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    reference = mlp(AccumulatingModel, n_gradients=4)
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert max_weight_difference(model, reference) <= 1e-6
+
+
+def test_mixed_float16_under_two_replicas(two_replicas):
+    x, y = regression_data(samples=96)
+    plain, accumulating = _fit_under("mixed_float16", OPTIMIZERS["sgd"], x,
+                                     y, strategy=two_replicas)
+    float32_model, _ = _float32_large_batch(OPTIMIZERS["sgd"], x, y)
+    rounding = max_weight_difference(plain, float32_model)
+    assert iterations(accumulating) == 6
+    assert max_weight_difference(plain, accumulating) <= 2 * rounding + 1e-6
+
+
+@pytest.mark.parametrize("replica_with_overflow", [0, 1])
+def test_overflow_on_one_replica_skips_the_window_on_both(
+    two_replicas, replica_with_overflow
+):
+    x, y = regression_data(samples=64)
+    y = y.copy()
+    # Micro-batch 6 (samples 40-47) splits 40-43 / 44-47 over the replicas.
+    y[41 + 4 * replica_with_overflow] = 1e4
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    with two_replicas.scope():
+        model = mlp(AccumulatingModel, n_gradients=4)
+        model.compile(optimizer=OPTIMIZERS["sgd"](), loss="mse")
+        first_window_only = mlp(AccumulatingModel, n_gradients=4)
+        first_window_only.compile(optimizer=OPTIMIZERS["sgd"](), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    first_window_only.fit(x[:32], y[:32], batch_size=8, epochs=1,
+                          shuffle=False, verbose=0)
+    assert iterations(model) == 1
+    assert model.skipped_windows == 1
+    assert float(model.optimizer.dynamic_scale.numpy()) == 2.0**14
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+    assert max_weight_difference(model, first_window_only) == 0.0
