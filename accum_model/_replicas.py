@@ -20,16 +20,22 @@ def for_each_replica(fn, *args):
 
 
 def sum_over_replicas(fn):
-    """Sums the tensor `fn()` computes on each replica; one reduction."""
+    """Sums the tensor `fn()` computes on each replica; one all-reduce.
+
+    The same replica-context all-reduce the optimizer uses for gradients,
+    from either context, so every reduction goes through one mechanism.
+    """
+
+    def replica_sum():
+        return tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, fn()
+        )
+
     if tf.distribute.in_cross_replica_context():
         strategy = tf.distribute.get_strategy()
-        per_replica = strategy.extended.call_for_each_replica(fn)
-        return strategy.reduce(
-            tf.distribute.ReduceOp.SUM, per_replica, axis=None
-        )
-    return tf.distribute.get_replica_context().all_reduce(
-        tf.distribute.ReduceOp.SUM, fn()
-    )
+        per_replica = strategy.extended.call_for_each_replica(replica_sum)
+        return strategy.experimental_local_results(per_replica)[0]
+    return replica_sum()
 
 
 def clip_once(gradients):

@@ -1,0 +1,360 @@
+"""Measure what accumulation costs: time per micro-batch, memory, window cost.
+
+Prints a table and writes `results.md`, `results.json` and `results.png` to
+the output folder. Not part of the test suite.
+
+Run: python benchmarks/run_benchmarks.py            (about 10 minutes, 2 cores)
+     python benchmarks/run_benchmarks.py --quick    (a smoke run)
+"""
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from accum_model import AccumulatingModel  # noqa: E402
+
+MICRO_BATCH = 32
+N_GRADIENTS = 4
+
+
+# Models and data ------------------------------------------------------------
+
+
+def build(name, model_class, **kwargs):
+    keras.utils.set_random_seed(0)
+    if name == "mlp":
+        inputs = keras.Input((256,))
+        x = keras.layers.Dense(512, activation="relu")(inputs)
+        x = keras.layers.Dense(512, activation="relu")(x)
+        outputs = keras.layers.Dense(10)(x)
+    elif name == "cnn":
+        inputs = keras.Input((32, 32, 3))
+        x = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(
+            inputs
+        )
+        x = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(x)
+        x = keras.layers.MaxPooling2D()(x)
+        x = keras.layers.Conv2D(64, 3, padding="same", activation="relu")(x)
+        x = keras.layers.GlobalAveragePooling2D()(x)
+        outputs = keras.layers.Dense(10)(x)
+    elif name == "lstm":
+        inputs = keras.Input((None,), dtype="int32")
+        x = keras.layers.Embedding(1000, 64, mask_zero=True)(inputs)
+        x = keras.layers.LSTM(128)(x)
+        outputs = keras.layers.Dense(10)(x)
+    elif name == "wide_cnn":
+        # Activations dominate: 64x64 feature maps with 64 channels.
+        inputs = keras.Input((64, 64, 3))
+        x = keras.layers.Conv2D(64, 3, padding="same", activation="relu")(
+            inputs
+        )
+        x = keras.layers.Conv2D(64, 3, padding="same", activation="relu")(x)
+        x = keras.layers.Conv2D(64, 3, padding="same", activation="relu")(x)
+        x = keras.layers.GlobalAveragePooling2D()(x)
+        outputs = keras.layers.Dense(10)(x)
+    else:
+        raise ValueError(f"Unknown model: {name}")
+    return model_class(inputs=inputs, outputs=outputs, **kwargs)
+
+
+def data(name, samples):
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 10, size=samples).astype("int32")
+    if name == "mlp":
+        return rng.normal(size=(samples, 256)).astype("float32"), y
+    if name == "cnn":
+        return rng.random((samples, 32, 32, 3), dtype="float32"), y
+    if name == "wide_cnn":
+        return rng.random((samples, 64, 64, 3), dtype="float32"), y
+    tokens = np.zeros((samples, 40), "int32")
+    for i, length in enumerate(rng.integers(5, 41, size=samples)):
+        tokens[i, :length] = rng.integers(1, 1000, size=length)
+    return tokens, y
+
+
+def compiled(name, config, n_gradients=N_GRADIENTS):
+    """config: "keras" (plain), "accum_model", or "keras_accumulation"."""
+    if config == "accum_model":
+        model = build(name, AccumulatingModel, n_gradients=n_gradients)
+        optimizer = keras.optimizers.Adam(1e-3)
+    elif config == "keras_accumulation":
+        model = build(name, keras.Model)
+        optimizer = keras.optimizers.Adam(
+            1e-3, gradient_accumulation_steps=n_gradients
+        )
+    else:
+        model = build(name, keras.Model)
+        optimizer = keras.optimizers.Adam(1e-3)
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+# Measurements ---------------------------------------------------------------
+
+
+def seconds_per_micro_batch(model, x, y):
+    start = time.perf_counter()
+    model.fit(x, y, batch_size=MICRO_BATCH, epochs=1, shuffle=False,
+              verbose=0)
+    return (time.perf_counter() - start) / (len(x) // MICRO_BATCH)
+
+
+def interleaved(models, x, y, rounds):
+    """Times each model once per round, in rotating order, after a warm-up."""
+    for model in models.values():
+        seconds_per_micro_batch(model, x, y)  # traces and compiles
+    times = {name: [] for name in models}
+    names = list(models)
+    for round_index in range(rounds):
+        order = names[round_index % len(names):] + names[:round_index %
+                                                          len(names)]
+        for name in order:
+            times[name].append(seconds_per_micro_batch(models[name], x, y))
+    return times
+
+
+def summary(values):
+    values = np.asarray(values)
+    q1, median, q3 = np.percentile(values, [25, 50, 75])
+    return {"median": float(median), "q1": float(q1), "q3": float(q3)}
+
+
+def overhead(model_name, rounds, micro_batches):
+    x, y = data(model_name, MICRO_BATCH * micro_batches)
+    configs = ("keras", "accum_model", "keras_accumulation")
+    times = interleaved(
+        {c: compiled(model_name, c) for c in configs}, x, y, rounds
+    )
+    plain = np.asarray(times["keras"])
+    return {
+        "ms_per_micro_batch": {
+            c: summary(1000 * np.asarray(t)) for c, t in times.items()
+        },
+        # Ratios are paired round by round, so slow phases of the machine
+        # affect both sides of a ratio alike.
+        "ratio_vs_keras": summary(np.asarray(times["accum_model"]) / plain),
+        "ratio_vs_keras_accumulation": summary(
+            np.asarray(times["accum_model"])
+            / np.asarray(times["keras_accumulation"])
+        ),
+    }
+
+
+def window_cost(rounds, micro_batches=48, n_values=(1, 2, 4, 8, 16)):
+    x, y = data("cnn", MICRO_BATCH * micro_batches)
+    models = {n: compiled("cnn", "accum_model", n_gradients=n)
+              for n in n_values}
+    times = interleaved(models, x, y, rounds)
+    medians = {n: float(np.median(t)) for n, t in times.items()}
+    window = {n: n * medians[n] for n in n_values}
+    # window(n) = apply + n * micro_step: a straight line if the cost of an
+    # update does not grow with n. The fit gives both; the residual per n
+    # is how far each n is from that line.
+    slope, intercept = np.polyfit(list(n_values), list(window.values()), 1)
+    return {
+        str(n): {
+            "ms_per_micro_batch": 1000 * medians[n],
+            "ms_per_window": 1000 * window[n],
+            "ms_apply_estimate": 1000 * (window[n] - slope * n),
+        }
+        for n in n_values
+    } | {"fit": {"ms_per_micro_step": 1000 * slope,
+                 "ms_per_update": 1000 * intercept}}
+
+
+def memory_child(config, steps=6):
+    """Runs in a fresh process: trains a few steps, reports peak memory."""
+    kind, batch, n = config.split(":")
+    batch, n = int(batch), int(n)
+    x, y = data("wide_cnn", batch * steps)
+    model_class = AccumulatingModel if kind == "accum_model" else keras.Model
+    kwargs = {"n_gradients": n} if kind == "accum_model" else {}
+    model = build("wide_cnn", model_class, **kwargs)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({
+        "peak_mib": peak_kib / 1024,
+        "accumulator_mib": getattr(model, "accumulator_bytes", 0) / 2**20,
+        "parameter_mib": 4 * model.count_params() / 2**20,
+    }))
+
+
+def memory(large_batch, n):
+    micro = large_batch // n
+    results = {}
+    for label, config in (
+        (f"keras, batch {large_batch}", f"keras:{large_batch}:1"),
+        (f"keras, batch {micro}", f"keras:{micro}:1"),
+        (f"accum_model, batch {micro} x n={n}", f"accum_model:{micro}:{n}"),
+    ):
+        output = subprocess.run(
+            [sys.executable, __file__, "--memory-child", config] + THREADS,
+            capture_output=True, text=True, check=True, timeout=900,
+        ).stdout
+        results[label] = json.loads(output.strip().splitlines()[-1])
+    return results
+
+
+# Report ---------------------------------------------------------------------
+
+
+def report(results, out):
+    lines = [
+        "# accum_model benchmarks",
+        "",
+        f"Machine: {results['machine']}",
+        f"Command: `{results['command']}`",
+        "",
+        f"## Time per micro-batch (b={MICRO_BATCH}, n_gradients="
+        f"{N_GRADIENTS}, Adam)",
+        "",
+        "Medians over interleaved rounds, [25th, 75th percentile].",
+        "",
+        "| model | keras (ms) | accum_model (ms) | keras "
+        "gradient_accumulation_steps (ms) | accum_model / keras | "
+        "accum_model / keras accumulation |",
+        "|---|---|---|---|---|---|",
+    ]
+
+    def cell(s, digits=2):
+        return (f"{s['median']:.{digits}f} [{s['q1']:.{digits}f}, "
+                f"{s['q3']:.{digits}f}]")
+
+    for name, r in results["overhead"].items():
+        ms = r["ms_per_micro_batch"]
+        lines.append(
+            f"| {name} | {cell(ms['keras'])} | {cell(ms['accum_model'])} | "
+            f"{cell(ms['keras_accumulation'])} | "
+            f"{cell(r['ratio_vs_keras'], 3)} | "
+            f"{cell(r['ratio_vs_keras_accumulation'], 3)} |"
+        )
+    lines += ["", "## Peak memory (wide CNN, 64x64x64 activations, "
+              "fresh process each)", "",
+              "| configuration | peak RSS (MiB) | accumulators (MiB) |",
+              "|---|---|---|"]
+    for label, r in results["memory"].items():
+        lines.append(f"| {label} | {r['peak_mib']:.0f} | "
+                     f"{r['accumulator_mib']:.2f} |")
+    lines += ["", "## Cost of one window against n_gradients (CNN)", "",
+              "| n_gradients | ms per micro-batch | ms per window | "
+              "ms per update (estimate) |", "|---|---|---|---|"]
+    for n, r in results["window_cost"].items():
+        if n == "fit":
+            continue
+        lines.append(f"| {n} | {r['ms_per_micro_batch']:.2f} | "
+                     f"{r['ms_per_window']:.2f} | "
+                     f"{r['ms_apply_estimate']:.2f} |")
+    fit = results["window_cost"]["fit"]
+    lines += ["", f"Straight-line fit: window = {fit['ms_per_update']:.2f} ms"
+              f" + n x {fit['ms_per_micro_step']:.2f} ms.", ""]
+    text = "\n".join(lines)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    print(text)
+    plot(results, os.path.join(out, "results.png"))
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    names = list(results["overhead"])
+    for offset, key, label in ((-0.2, "ratio_vs_keras", "vs keras"),
+                               (0.2, "ratio_vs_keras_accumulation",
+                                "vs keras gradient_accumulation_steps")):
+        medians = [results["overhead"][n][key]["median"] for n in names]
+        errors = [[m - results["overhead"][n][key]["q1"]
+                   for n, m in zip(names, medians)],
+                  [results["overhead"][n][key]["q3"] - m
+                   for n, m in zip(names, medians)]]
+        left.bar(np.arange(len(names)) + offset, medians, 0.4, yerr=errors,
+                 label=label)
+    left.axhline(1.0, color="black", linewidth=0.8)
+    left.set_xticks(range(len(names)), names)
+    left.set_ylabel("time per micro-batch, ratio")
+    left.set_title("accum_model time per micro-batch")
+    left.legend(fontsize=8)
+    cost = {int(k): v for k, v in results["window_cost"].items()
+            if k != "fit"}
+    ns = sorted(cost)
+    right.plot(ns, [cost[n]["ms_per_window"] for n in ns], "o-",
+               label="ms per window")
+    right.plot(ns, [cost[n]["ms_apply_estimate"] for n in ns], "s--",
+               label="ms per update (estimate)")
+    right.set_xscale("log", base=2)
+    right.set_xlabel("n_gradients")
+    right.set_title("CNN: cost of one window")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+THREADS = []
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--intra-op-threads", type=int, default=1)
+    parser.add_argument("--memory-child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    # One intra-op thread: with TensorFlow's default pools, times on a
+    # 2-core machine jump between two modes from one fit() to the next.
+    tf.config.threading.set_intra_op_parallelism_threads(
+        args.intra_op_threads
+    )
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    THREADS[:] = ["--intra-op-threads", str(args.intra_op_threads)]
+    if args.memory_child:
+        memory_child(args.memory_child)
+        return
+    rounds, micro_batches = (3, 8) if args.quick else (15, 40)
+    os.makedirs(args.out, exist_ok=True)
+    results = {
+        "machine": (f"{platform.processor() or platform.machine()}, "
+                    f"{os.cpu_count()} cores, Python "
+                    f"{platform.python_version()}, tensorflow "
+                    f"{tf.__version__}, keras {keras.__version__}, "
+                    f"{args.intra_op_threads} intra-op thread(s)"),
+        "command": "python " + " ".join(
+            [os.path.relpath(__file__)] + sys.argv[1:]
+        ),
+        "overhead": {},
+    }
+    for name in ("mlp", "cnn", "lstm"):
+        print(f"timing {name} ...", flush=True)
+        results["overhead"][name] = overhead(name, rounds, micro_batches)
+    print("window cost against n_gradients ...", flush=True)
+    results["window_cost"] = window_cost(max(3, rounds // 2))
+    print("memory ...", flush=True)
+    results["memory"] = memory(large_batch=64 if args.quick else 256, n=8)
+    report(results, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""Two-worker MultiWorkerMirroredStrategy training on localhost.
+
+Launches two worker processes (each its own Python process, `TF_CONFIG`
+pointing at two free 127.0.0.1 ports) that train one `AccumulatingModel`
+with `tf.distribute.MultiWorkerMirroredStrategy`, then trains the same model
+as a plain `keras.Model` in this process, on one device, with the large
+batch, from the same initial weights, and prints how far apart they are.
+
+Run: python examples/multi_worker.py
+     python examples/multi_worker.py --mixed-precision --samples 200
+"""
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from accum_model import AccumulatingModel  # noqa: E402
+
+
+# The data and the model: the same in every process -------------------------
+
+
+def make_data(samples, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(samples, 10)).astype("float32")
+    w = rng.normal(size=(10, 3)).astype("float32")
+    y = (np.tanh(x @ w) + 0.1 * rng.normal(size=(samples, 3))).astype(
+        "float32"
+    )
+    return x, y
+
+
+def build_model(model_class, **kwargs):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((10,))
+    hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+    outputs = keras.layers.Dense(3)(hidden)
+    return model_class(inputs=inputs, outputs=outputs, **kwargs)
+
+
+def make_optimizer():
+    return keras.optimizers.Adam(0.01)
+
+
+# One worker ------------------------------------------------------------------
+
+
+def run_worker(args):
+    """Trains as worker `args.worker_index`; writes its final weights."""
+    os.environ["TF_CONFIG"] = json.dumps({
+        "cluster": {"worker": [f"127.0.0.1:{p}" for p in args.ports]},
+        "task": {"type": "worker", "index": args.worker_index},
+    })
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    if args.mixed_precision:
+        keras.mixed_precision.set_global_policy("mixed_float16")
+    with strategy.scope():
+        model = build_model(AccumulatingModel, n_gradients=args.n_gradients)
+        model.compile(optimizer=make_optimizer(), loss="mse")
+
+    callbacks = []
+    if args.backup_dir:
+        # Each worker keeps its own backup: their weights are identical.
+        callbacks.append(keras.callbacks.BackupAndRestore(
+            os.path.join(args.backup_dir, f"worker{args.worker_index}")
+        ))
+    if args.fail_at_epoch is not None and args.worker_index == 1:
+        callbacks.append(DieAtEpoch(args.fail_at_epoch))
+
+    x, y = make_data(args.samples)
+    model.fit(x, y, batch_size=args.micro_batch, epochs=args.epochs,
+              shuffle=False, verbose=0, callbacks=callbacks)
+    np.savez(
+        os.path.join(args.out, f"worker{args.worker_index}.npz"),
+        *model.get_weights(),
+    )
+    with open(os.path.join(args.out, f"worker{args.worker_index}.json"),
+              "w") as f:
+        json.dump({
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "replicas": strategy.num_replicas_in_sync,
+        }, f)
+
+
+class DieAtEpoch(keras.callbacks.Callback):
+    """Kills this process in the middle of an epoch: a worker failure."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+        self.current = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.current == self.epoch and batch == 2:
+            os._exit(3)
+
+
+# The launcher ----------------------------------------------------------------
+
+
+def free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def launch_workers(args, out, timeout):
+    """Starts both workers; returns their exit codes and outputs.
+
+    Never leaves a process behind: on timeout both are killed and reaped.
+    """
+    ports = free_ports(2)
+    processes = []
+    for index in range(2):
+        command = [
+            sys.executable, os.path.abspath(__file__), "--worker-index",
+            str(index), "--ports", *map(str, ports), "--out", out,
+            "--samples", str(args.samples), "--micro-batch",
+            str(args.micro_batch), "--n-gradients", str(args.n_gradients),
+            "--epochs", str(args.epochs),
+        ]
+        if args.mixed_precision:
+            command.append("--mixed-precision")
+        if args.backup_dir:
+            command += ["--backup-dir", args.backup_dir]
+        if args.fail_at_epoch is not None:
+            command += ["--fail-at-epoch", str(args.fail_at_epoch)]
+        processes.append(subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        ))
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for process in processes:
+            remaining = max(1.0, deadline - time.monotonic())
+            output, _ = process.communicate(timeout=remaining)
+            results.append((process.returncode, output))
+    except subprocess.TimeoutExpired:
+        for process in processes:
+            process.kill()
+        for process in processes:
+            process.communicate()
+        raise
+    return results
+
+
+def single_process_reference(args):
+    """Plain Keras, one device, batches of micro_batch * n_gradients."""
+    if args.mixed_precision:
+        keras.mixed_precision.set_global_policy("mixed_float16")
+    model = build_model(keras.Model)
+    model.compile(optimizer=make_optimizer(), loss="mse")
+    x, y = make_data(args.samples)
+    model.fit(x, y, batch_size=args.micro_batch * args.n_gradients,
+              epochs=args.epochs, shuffle=False, verbose=0)
+    return model
+
+
+def compare(args, out):
+    workers = []
+    for index in range(2):
+        with np.load(os.path.join(out, f"worker{index}.npz")) as arrays:
+            workers.append([arrays[k] for k in sorted(
+                arrays.files, key=lambda name: int(name.split("_")[1]))])
+    reference = single_process_reference(args).get_weights()
+
+    def difference(a, b):
+        return max(float(np.max(np.abs(p - q))) for p, q in zip(a, b))
+
+    with open(os.path.join(out, "worker0.json")) as f:
+        info = json.load(f)
+    return {
+        "workers_max_difference": difference(workers[0], workers[1]),
+        "vs_single_process_max_difference": difference(workers[0],
+                                                       reference),
+        "iterations": info["iterations"],
+        "replicas": info["replicas"],
+    }
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=100)
+    parser.add_argument("--micro-batch", type=int, default=8,
+                        help="global micro-batch size (over both workers)")
+    parser.add_argument("--n-gradients", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--mixed-precision", action="store_true")
+    parser.add_argument("--backup-dir")
+    parser.add_argument("--fail-at-epoch", type=int)
+    parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--out")
+    parser.add_argument("--json", action="store_true",
+                        help="print the comparison as one JSON line")
+    parser.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--ports", type=int, nargs=2, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse(argv)
+    if args.worker_index is not None:
+        run_worker(args)
+        return 0
+    out = args.out or tempfile.mkdtemp(prefix="accum_model_workers_")
+    results = launch_workers(args, out, args.timeout)
+    for index, (code, output) in enumerate(results):
+        if code != 0:
+            print(f"worker {index} exited with {code}:\n{output[-3000:]}")
+            return 1
+    comparison = compare(args, out)
+    if args.json:
+        print(json.dumps(comparison))
+    else:
+        print(f"{comparison['replicas']} replicas on 2 worker processes, "
+              f"{comparison['iterations']} updates")
+        print(f"max |weight difference| between the workers: "
+              f"{comparison['workers_max_difference']:.2e}")
+        print(f"max |weight difference| vs one process, large batch: "
+              f"{comparison['vs_single_process_max_difference']:.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Untimed guards of the performance properties: no retracing, memory."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from accum_model import AccumulatingModel
+from helpers import mlp
+from helpers import regression_data
+
+
+class TraceCounting(AccumulatingModel):
+    """Counts how often `train_step` is traced (Python runs only then)."""
+
+    traces = 0
+
+    def train_step(self, data):
+        type(self).traces += 1
+        return super().train_step(data)
+
+
+def test_training_function_is_not_retraced_after_the_first_epoch():
+    # 100 samples in micro-batches of 8: the last, short micro-batch has
+    # another shape, which Keras handles with one relaxed trace.
+    x, y = regression_data(samples=100)
+    model = mlp(TraceCounting, n_gradients=4)
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    after_first_epoch = TraceCounting.traces
+    model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+              validation_data=(x[:16], y[:16]))
+    assert 1 <= after_first_epoch <= 2
+    assert TraceCounting.traces == after_first_epoch
+
+
+def test_accumulators_hold_one_float32_copy_of_the_trainable_parameters(
+    two_replicas,
+):
+    x, y = regression_data(samples=32)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    with two_replicas.scope():
+        model = mlp(AccumulatingModel, n_gradients=2)
+        model.compile(optimizer="adam", loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    parameters = sum(int(np.prod(w.shape)) for w in model.trainable_weights)
+    assert model.accumulator_bytes == 4 * parameters
+    window = model._gradient_window
+    for accumulator, variable in zip(window.gradient_sums,
+                                     model.trainable_weights):
+        assert accumulator.dtype == tf.float32
+        assert tuple(accumulator.shape) == tuple(variable.shape)
+        # One copy per replica, each of the variable's size.
+        copies = two_replicas.experimental_local_results(accumulator)
+        assert len(copies) == 2
+        assert all(tuple(c.shape) == tuple(variable.shape) for c in copies)
