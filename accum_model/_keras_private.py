@@ -5,6 +5,7 @@ private member it touches, so a Keras upgrade is one file to review.
 """
 
 import tensorflow as tf
+from keras import tree
 from keras.src.backend.common.masking import get_keras_mask
 from keras.src.models.functional import Functional
 from keras.src.saving import object_registration
@@ -13,7 +14,9 @@ __all__ = [
     "Functional",
     "serialize_as",
     "get_keras_mask",
+    "logs_for_reduction",
     "loss_tracker",
+    "symbolic_build_from_local_batch",
     "strategy_supports_no_merge_call",
 ]
 
@@ -46,3 +49,51 @@ def serialize_as(alias_class, registered_class):
     names = object_registration.GLOBAL_CUSTOM_NAMES
     if registered_class in names:
         names[alias_class] = names[registered_class]
+
+
+def symbolic_build_from_local_batch(model, iterator):
+    """Builds model, compiled loss and metrics from the first local batch.
+
+    Replaces `TensorFlowTrainer._maybe_symbolic_build`, which reduces the
+    first distributed batch across replicas with `strategy.reduce`. Under
+    MultiWorkerMirroredStrategy with two workers that raises "Attempt to
+    convert a value (PerReplica...)" before training starts (plain
+    `keras.Model` too), and under MirroredStrategy it fails when the first
+    batch splits unevenly. Only shapes matter here, so the first replica's
+    local batch serves. Calls the private `Trainer._symbolic_build`.
+    """
+    strategy = model.distribute_strategy
+    for _, _, batches in iterator:
+        batch = next(batches)
+        break
+    else:
+        return
+
+    def local(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return strategy.experimental_local_results(value)[0]
+        return value
+
+    with strategy.scope():
+        model._symbolic_build(data_batch=tree.map_structure(local, batch))
+
+
+def logs_for_reduction(logs, strategy):
+    """Shapes `train_step` logs so that Keras can reduce them over workers.
+
+    Under MultiWorkerMirroredStrategy in multi-worker mode, Keras's
+    `reduce_per_replica` averages each log with
+    `strategy.reduce("MEAN", value, axis=0)`, which raises "Invalid reduction
+    dimension 0 for input with 0 dimensions" on the scalar logs every
+    `train_step` returns. Giving scalars one axis of length 1 makes that
+    reduction the mean over replicas, a scalar again.
+    """
+    multi_worker = isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy
+    ) and strategy.extended._in_multi_worker_mode()
+    if not multi_worker:
+        return logs
+    return {
+        name: tf.reshape(value, [1]) if value.shape.rank == 0 else value
+        for name, value in logs.items()
+    }

@@ -177,6 +177,13 @@ class AccumulatingModel(keras.Model):
             return callbacks
         return [window_callback] + list(callbacks or [])
 
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Overrides a private Keras hook; see `_keras_private`.
+        distributed = getattr(self, "_distribute_strategy", None) is not None
+        if self.n_gradients == 1 or not distributed or iterator is None:
+            return super()._maybe_symbolic_build(iterator, data_batch)
+        _keras_private.symbolic_build_from_local_batch(self, iterator)
+
     def make_train_function(self, force=False):
         if self.n_gradients == 1:
             return super().make_train_function(force)
@@ -303,7 +310,9 @@ class AccumulatingModel(keras.Model):
         if self._loss_scaling.active:
             # An overflow must never pass silently: show the count.
             logs = {**logs, "skipped_windows": window.skipped_windows.value()}
-        return logs
+        return _keras_private.logs_for_reduction(
+            logs, self.distribute_strategy
+        )
 
     def _micro_batch_loss(self, x, y, y_pred, sample_weight):
         if self._compute_loss_takes_training:

@@ -27,6 +27,8 @@ import tensorflow as tf  # noqa: E402
 
 from accum_model import AccumulatingModel  # noqa: E402
 
+keras.config.disable_traceback_filtering()
+
 
 # The data and the model: the same in every process -------------------------
 
@@ -66,7 +68,11 @@ def run_worker(args):
     if args.mixed_precision:
         keras.mixed_precision.set_global_policy("mixed_float16")
     with strategy.scope():
-        model = build_model(AccumulatingModel, n_gradients=args.n_gradients)
+        if args.plain_keras:
+            model = build_model(keras.Model)
+        else:
+            model = build_model(AccumulatingModel,
+                                n_gradients=args.n_gradients)
         model.compile(optimizer=make_optimizer(), loss="mse")
 
     callbacks = []
@@ -139,6 +145,8 @@ def launch_workers(args, out, timeout):
         ]
         if args.mixed_precision:
             command.append("--mixed-precision")
+        if args.plain_keras:
+            command.append("--plain-keras")
         if args.backup_dir:
             command += ["--backup-dir", args.backup_dir]
         if args.fail_at_epoch is not None:
@@ -163,10 +171,11 @@ def launch_workers(args, out, timeout):
     return results
 
 
-def single_process_reference(args):
+def single_process_reference(args, policy=None):
     """Plain Keras, one device, batches of micro_batch * n_gradients."""
-    if args.mixed_precision:
-        keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.mixed_precision.set_global_policy(
+        policy or ("mixed_float16" if args.mixed_precision else "float32")
+    )
     model = build_model(keras.Model)
     model.compile(optimizer=make_optimizer(), loss="mse")
     x, y = make_data(args.samples)
@@ -188,13 +197,21 @@ def compare(args, out):
 
     with open(os.path.join(out, "worker0.json")) as f:
         info = json.load(f)
-    return {
+    comparison = {
         "workers_max_difference": difference(workers[0], workers[1]),
         "vs_single_process_max_difference": difference(workers[0],
                                                        reference),
         "iterations": info["iterations"],
         "replicas": info["replicas"],
     }
+    if args.mixed_precision:
+        # How far float16 rounding alone moves the large batch: the scale
+        # against which the mixed-precision difference is to be read.
+        float32_reference = single_process_reference(args, "float32")
+        comparison["float16_rounding_max_difference"] = difference(
+            reference, float32_reference.get_weights()
+        )
+    return comparison
 
 
 def parse(argv=None):
@@ -211,6 +228,8 @@ def parse(argv=None):
     parser.add_argument("--out")
     parser.add_argument("--json", action="store_true",
                         help="print the comparison as one JSON line")
+    parser.add_argument("--plain-keras", action="store_true",
+                        help="train keras.Model in the workers instead")
     parser.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--ports", type=int, nargs=2, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -222,14 +241,23 @@ def main(argv=None):
         run_worker(args)
         return 0
     out = args.out or tempfile.mkdtemp(prefix="accum_model_workers_")
+    start = time.monotonic()
     results = launch_workers(args, out, args.timeout)
-    for index, (code, output) in enumerate(results):
-        if code != 0:
-            print(f"worker {index} exited with {code}:\n{output[-3000:]}")
-            return 1
+    seconds = time.monotonic() - start
+    codes = [code for code, _ in results]
+    if any(codes):
+        if args.json:
+            print(json.dumps({"exit_codes": codes, "seconds": seconds,
+                              "outputs": [o[-3000:] for _, o in results]}))
+        for index, (code, output) in enumerate(results):
+            if code != 0:
+                print(f"worker {index} exited with {code}:\n"
+                      f"{output[-3000:]}")
+        return 1
     comparison = compare(args, out)
     if args.json:
-        print(json.dumps(comparison))
+        print(json.dumps({"exit_codes": codes, "seconds": seconds,
+                          **comparison}))
     else:
         print(f"{comparison['replicas']} replicas on 2 worker processes, "
               f"{comparison['iterations']} updates")
