@@ -321,6 +321,12 @@ def main():
     parser.add_argument("--out", default=os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--intra-op-threads", type=int, default=1)
+    parser.add_argument("--models", nargs="+", default=["mlp", "cnn", "lstm"],
+                        help="models to time (default: all three)")
+    parser.add_argument("--rounds", type=int,
+                        help="interleaved timing rounds (default 15)")
+    parser.add_argument("--overhead-only", action="store_true",
+                        help="skip the memory and window-cost parts")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     # One intra-op thread: with TensorFlow's default pools, times on a
@@ -334,6 +340,7 @@ def main():
         memory_child(args.memory_child)
         return
     rounds, micro_batches = (3, 8) if args.quick else (15, 40)
+    rounds = args.rounds or rounds
     os.makedirs(args.out, exist_ok=True)
     results = {
         "machine": (f"{platform.processor() or platform.machine()}, "
@@ -346,9 +353,12 @@ def main():
         ),
         "overhead": {},
     }
-    for name in ("mlp", "cnn", "lstm"):
+    for name in args.models:
         print(f"timing {name} ...", flush=True)
         results["overhead"][name] = overhead(name, rounds, micro_batches)
+    if args.overhead_only:
+        print(json.dumps(results["overhead"], indent=2))
+        return
     print("window cost against n_gradients ...", flush=True)
     results["window_cost"] = window_cost(max(3, rounds // 2))
     print("memory ...", flush=True)
