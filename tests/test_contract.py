@@ -333,3 +333,18 @@ def test_ci_runs_the_readme_test_command():
     command = 'python -m pip install -e ".[test]" && python -m pytest'
     assert command in readme
     assert command in (root / ".ci" / "run").read_text().splitlines()
+
+
+def test_train_on_batch_accumulates_and_open_window_can_be_applied():
+    x, y = regression_data(samples=24)
+    model = _compiled(n_gradients=2, optimizer=keras.optimizers.SGD(0.1))
+    for start in (0, 8, 16):
+        model.train_on_batch(x[start:start + 8], y[start:start + 8])
+    assert iterations(model) == 1
+    model.apply_open_window()
+    assert iterations(model) == 2
+    plain = _windows_reference(x, y, [list(range(16)), list(range(16, 24))],
+                               keras.optimizers.SGD(0.1))
+    assert max_weight_difference(plain, model) <= 1e-6
+    model.apply_open_window()  # an empty window applies nothing
+    assert iterations(model) == 2
