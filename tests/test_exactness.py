@@ -313,3 +313,25 @@ def test_subclassed_model_matches_large_batch():
     plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     accumulating.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     assert max_weight_difference(plain, accumulating) <= TOLERANCE
+
+
+def _regularized(model_class, n_gradients=None, seed=12):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(
+        8, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.05)
+    )(inputs)
+    outputs = keras.layers.Dense(3)(hidden)
+    kwargs = {} if n_gradients is None else {"n_gradients": n_gradients}
+    return model_class(inputs=inputs, outputs=outputs, **kwargs)
+
+
+def test_weight_regularization_counts_once_per_window():
+    # The regularization loss is added to every micro-batch loss; weighted
+    # by micro-batch size it adds up to once per window, as in the large
+    # batch.
+    x, y = regression_data(samples=100)
+    plain, accumulating = fit_both(
+        _regularized, OPTIMIZERS["sgd"], x, y, micro_batch=8, n_gradients=4,
+    )
+    assert max_weight_difference(plain, accumulating) <= TOLERANCE

@@ -164,10 +164,23 @@ def test_overridden_scaling_hooks_are_used(policy):
     assert max_weight_difference(model, reference) <= 1e-6
 
 
-def test_mixed_float16_under_two_replicas(two_replicas):
+@pytest.mark.parametrize(
+    "policy, loss_scaling",
+    [("mixed_float16", "implicit"), ("mixed_float16", "explicit"),
+     ("mixed_bfloat16", "none")],
+)
+def test_mixed_precision_under_two_replicas(two_replicas, policy,
+                                            loss_scaling):
     x, y = regression_data(samples=96)
-    plain, accumulating = _fit_under("mixed_float16", OPTIMIZERS["sgd"], x,
-                                     y, strategy=two_replicas)
+    make_optimizer = OPTIMIZERS["sgd"]
+    if loss_scaling == "explicit":
+        make_optimizer = _explicit_loss_scaling(make_optimizer)
+    plain, accumulating = _fit_under(policy, make_optimizer, x, y,
+                                     strategy=two_replicas)
+    assert isinstance(accumulating.optimizer,
+                      keras.optimizers.LossScaleOptimizer) == (
+        loss_scaling != "none"
+    )
     float32_model, _ = _float32_large_batch(OPTIMIZERS["sgd"], x, y)
     rounding = max_weight_difference(plain, float32_model)
     assert iterations(accumulating) == 6
