@@ -190,6 +190,7 @@ class AccumulatingModel(keras.Model):
         if self.train_function is not None and not force:
             return self.train_function
         self._check_ready_to_accumulate()
+        self._check_no_window_left_open()
         self._settle_configuration()
         if self.built:
             self._build_training_state()
@@ -198,6 +199,22 @@ class AccumulatingModel(keras.Model):
             self.train_function
         )
         return self.train_function
+
+    def _check_no_window_left_open(self):
+        """Refuses to forget gradients when the trainable weights changed."""
+        window = self._gradient_window
+        if window is None or window.matches(self.trainable_variables):
+            return
+        open_steps = int(window.micro_steps.numpy())
+        if open_steps:
+            raise ValueError(
+                "The model's trainable weights changed while a window was "
+                f"open ({open_steps} micro-batches accumulated and not yet "
+                "applied). Call `model.apply_open_window()` before changing "
+                "which weights are trainable. Received: "
+                f"{len(self.trainable_variables)} trainable variables, "
+                f"window built for {len(window.trainable_variables)}"
+            )
 
     def _settle_configuration(self):
         """Decides, once per compiled set-up, how windows are applied."""
@@ -227,14 +244,12 @@ class AccumulatingModel(keras.Model):
             with strategy.scope():
                 self.optimizer.build(self.trainable_variables)
         window = self._gradient_window
-        if window is not None and not window.matches(self.trainable_variables):
-            if int(window.micro_steps.numpy()):
-                self.apply_open_window()
-            window = None
-        if window is None:
+        if window is None or not window.matches(self.trainable_variables):
             self._gradient_window = GradientWindow(
                 self.trainable_variables, strategy, self._epoch_steps
             )
+            # The apply function reads the window when first traced.
+            self._apply_open_window_function = self._make_apply_open_window()
 
     def _start_epoch(self, steps):
         """Called as an epoch begins, with its micro steps if known."""

@@ -348,3 +348,25 @@ def test_train_on_batch_accumulates_and_open_window_can_be_applied():
     assert max_weight_difference(plain, model) <= 1e-6
     model.apply_open_window()  # an empty window applies nothing
     assert iterations(model) == 2
+
+
+def test_changing_trainable_weights_between_fits():
+    x, y = regression_data(samples=64)
+    model = _compiled(n_gradients=4, optimizer=keras.optimizers.SGD(0.1))
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    model.layers[1].trainable = False
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    frozen = model.layers[1].kernel.numpy().copy()
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    np.testing.assert_array_equal(frozen, model.layers[1].kernel.numpy())
+    assert iterations(model) == 2  # the new optimizer's updates
+
+
+def test_open_window_is_never_dropped_when_trainable_weights_change():
+    x, y = regression_data(samples=16)
+    model = _compiled(n_gradients=4, optimizer=keras.optimizers.SGD(0.1))
+    model.train_on_batch(x[:8], y[:8])
+    model.layers[1].trainable = False
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="1 micro-batches accumulated"):
+        model.train_on_batch(x[8:], y[8:])
