@@ -2,6 +2,8 @@
 
 import numbers
 
+import tensorflow as tf
+
 
 def check_n_gradients(n_gradients):
     """Returns `n_gradients` as an int, or raises a `ValueError`."""
@@ -65,8 +67,6 @@ def check_loss_reductions(losses):
 
 def check_strategy(strategy):
     """Refuses distribution strategies whose variables live off-replica."""
-    import tensorflow as tf
-
     unsupported = (
         tf.distribute.experimental.ParameterServerStrategy,
         tf.distribute.experimental.CentralStorageStrategy,

@@ -38,7 +38,7 @@ def sum_over_replicas(fn):
     return replica_sum()
 
 
-def clip_once(gradients):
+def summed_into_first_replica(gradients):
     """Replica context: gives the first replica the summed gradients.
 
     The optimizer clips what each replica hands it, then sums over replicas.

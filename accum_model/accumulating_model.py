@@ -399,7 +399,7 @@ class AccumulatingModel(keras.Model):
         window = self._gradient_window
         gradients = window.mean_gradients(total_weight)
         if self._reduce_before_clipping:
-            gradients = _replicas.clip_once(gradients)
+            gradients = _replicas.summed_into_first_replica(gradients)
         pairs = [
             (g, v)
             for g, v in zip(gradients, window.trainable_variables)
