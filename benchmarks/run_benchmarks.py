@@ -294,21 +294,27 @@ def plot(results, path):
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     names = list(results["overhead"])
-    for offset, key, label in ((-0.2, "ratio_vs_keras", "vs keras"),
-                               (0.2, "ratio_vs_keras_accumulation",
-                                "vs keras gradient_accumulation_steps")):
+    bars = [("ratio_vs_keras", "accum_model vs keras"),
+            ("ratio_vs_keras_accumulation",
+             "accum_model vs keras gradient_accumulation_steps"),
+            ("control_ratio_vs_keras", "control (n_gradients=1) vs keras")]
+    bars = [b for b in bars if b[0] in results["overhead"][names[0]]]
+    width = 0.8 / len(bars)
+    for index, (key, label) in enumerate(bars):
+        offset = (index - (len(bars) - 1) / 2) * width
         medians = [results["overhead"][n][key]["median"] for n in names]
         errors = [[m - results["overhead"][n][key]["q1"]
                    for n, m in zip(names, medians)],
                   [results["overhead"][n][key]["q3"] - m
                    for n, m in zip(names, medians)]]
-        left.bar(np.arange(len(names)) + offset, medians, 0.4, yerr=errors,
+        left.bar(np.arange(len(names)) + offset, medians, width, yerr=errors,
                  label=label)
     left.axhline(1.0, color="black", linewidth=0.8)
     left.set_xticks(range(len(names)), names)
     left.set_ylabel("time per micro-batch, ratio")
-    left.set_title("accum_model time per micro-batch")
-    left.legend(fontsize=8)
+    left.set_title("time per micro-batch (median, quartiles)")
+    left.set_ylim(0.6, 1.2)
+    left.legend(fontsize=7, loc="lower center")
     cost = {int(k): v for k, v in results["window_cost"].items()
             if k != "fit"}
     ns = sorted(cost)
