@@ -27,7 +27,6 @@ import tensorflow as tf  # noqa: E402
 
 from accum_model import AccumulatingModel  # noqa: E402
 
-keras.config.disable_traceback_filtering()
 
 
 # The data and the model: the same in every process -------------------------
