@@ -35,13 +35,24 @@ def test_two_replicas_match_one_device_large_batch(name, two_replicas):
 def test_uneven_split_across_replicas(two_replicas):
     # The last micro-batch (3 samples) splits 2 + 1: each replica divides its
     # loss by its own sample count, which the window weighting undoes.
-    # (Keras cannot build a model whose first batch splits unevenly.)
     x, y = regression_data(samples=99)
     plain, accumulating = fit_both(
         mlp, OPTIMIZERS["sgd"], x, y, micro_batch=8, n_gradients=4,
         epochs=1, strategy=two_replicas,
     )
     assert iterations(accumulating) == iterations(plain) == 4
+    assert max_weight_difference(plain, accumulating) <= TOLERANCE
+
+
+def test_every_micro_batch_split_unevenly(two_replicas):
+    # Micro-batches of 7 split 4 + 3, from the first one on (plain Keras
+    # 3.15.1 cannot even build from such a first batch under the strategy).
+    x, y = regression_data(samples=98)
+    plain, accumulating = fit_both(
+        mlp, OPTIMIZERS["sgd"], x, y, micro_batch=7, n_gradients=2,
+        epochs=1, strategy=two_replicas,
+    )
+    assert iterations(accumulating) == iterations(plain) == 7
     assert max_weight_difference(plain, accumulating) <= TOLERANCE
 
 
