@@ -81,7 +81,7 @@ class GradientWindow:
         """Bytes held by one replica's accumulators."""
         return sum(4 * int(s.shape.num_elements()) for s in self.gradient_sums)
 
-    def add(self, gradients, weight, gradient_scale=1.0):
+    def add(self, gradients, weight, gradient_scale):
         """Adds a micro step to the window (replica context).
 
         Args:

@@ -6,6 +6,12 @@ from keras import tree
 from accum_model import _keras_private
 
 
+def batch_size(x):
+    """The number of samples in a batch of inputs `x`, as an int32 tensor."""
+    first_input = next(i for i in tree.flatten(x) if i is not None)
+    return tf.shape(first_input)[0]
+
+
 def loss_divisor(x, y_pred):
     """Returns the number of loss elements Keras averages a batch loss over.
 
@@ -29,8 +35,7 @@ def loss_divisor(x, y_pred):
     """
     outputs = [o for o in tree.flatten(y_pred) if o is not None]
     if not outputs:
-        first_input = next(i for i in tree.flatten(x) if i is not None)
-        return tf.cast(tf.shape(first_input)[0], tf.float32)
+        return tf.cast(batch_size(x), tf.float32)
     output = outputs[0]
     mask = _keras_private.get_keras_mask(output)
     if mask is not None:

@@ -343,10 +343,9 @@ class AccumulatingModel(keras.Model):
         tracker = _keras_private.loss_tracker(self)
         if tracker is None:
             return
-        first_input = next(i for i in tree.flatten(x) if i is not None)
         tracker.update_state(
             loss * tf.cast(num_replicas, loss.dtype),
-            sample_weight=tf.shape(first_input)[0],
+            sample_weight=_loss_divisor.batch_size(x),
         )
 
     # Window end ------------------------------------------------------------

@@ -189,13 +189,7 @@ def memory_child(config, steps=6):
     kind, batch, n = config.split(":")
     batch, n = int(batch), int(n)
     x, y = data("wide_cnn", batch * steps)
-    model_class = AccumulatingModel if kind == "accum_model" else keras.Model
-    kwargs = {"n_gradients": n} if kind == "accum_model" else {}
-    model = build("wide_cnn", model_class, **kwargs)
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-3),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
+    model = compiled("wide_cnn", kind, n_gradients=n)
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({
