@@ -19,6 +19,12 @@ class GradientWindow:
     on all replicas, so each replica keeps its own copy and reading one in
     cross-replica context returns the first replica's.
 
+    A micro step counts only when its micro-batch holds data: Keras and
+    `tf.distribute` can run a step on an empty batch when data of unknown
+    length runs out. The window also counts its samples, summed over
+    replicas when it ends, so that a window of such empty steps alone is
+    never applied.
+
     The variables are deliberately not tracked by Keras: they are transient
     training state, not weights, so they stay out of `model.weights`,
     `save_weights()` and `.keras` files.
@@ -35,7 +41,7 @@ class GradientWindow:
         self.trainable_variables = list(trainable_variables)
         # Which variables received a gradient, learned when the training
         # step is traced; variables without one are never updated.
-        self.has_gradient = [True] * len(self.trainable_variables)
+        self.has_gradient = [False] * len(self.trainable_variables)
         with strategy.scope():
             self.gradient_sums = [
                 tf.Variable(
@@ -48,6 +54,7 @@ class GradientWindow:
                 for variable in self.trainable_variables
             ]
             self.weight_sum = self._scalar("window_weight", tf.float32, "sum")
+            self.sample_sum = self._scalar("window_samples", tf.float32, "sum")
             self.micro_steps = self._scalar("window_micro_steps", tf.int64)
             # Micro steps left before the epoch ends; negative when unknown.
             self.steps_left_in_epoch = self._scalar(
@@ -81,7 +88,7 @@ class GradientWindow:
         """Bytes held by one replica's accumulators."""
         return sum(4 * int(s.shape.num_elements()) for s in self.gradient_sums)
 
-    def add(self, gradients, weight, gradient_scale):
+    def add(self, gradients, weight, gradient_scale, samples, counts):
         """Adds a micro step to the window (replica context).
 
         Args:
@@ -89,8 +96,17 @@ class GradientWindow:
             weight: Float32 scalar, the micro-batch's share of the window.
             gradient_scale: Float32 scalar the gradients are multiplied by
                 before they are added, with `weight` folded in.
+            samples: Float32 scalar, this replica's samples in the step.
+            counts: Bool scalar, whether the step counts as a micro step
+                (the micro-batch has data on some replica). Equal on all
+                replicas.
         """
-        self.has_gradient = [g is not None for g in gradients]
+        # A variable keeps its gradient once any micro step gave it one (in
+        # eager mode each step reports its own; a trace reports them all).
+        self.has_gradient = [
+            used or g is not None
+            for used, g in zip(self.has_gradient, gradients)
+        ]
         for gradient_sum, gradient in zip(self.gradient_sums, gradients):
             if gradient is None:
                 continue
@@ -113,8 +129,10 @@ class GradientWindow:
                 tf.cast(gradient, tf.float32) * gradient_scale
             )
         self.weight_sum.assign_add(weight)
-        self.micro_steps.assign_add(1)
-        self.steps_left_in_epoch.assign_sub(1)
+        self.sample_sum.assign_add(samples)
+        step = tf.cast(counts, tf.int64)
+        self.micro_steps.assign_add(step)
+        self.steps_left_in_epoch.assign_sub(step)
 
     def local_is_finite(self):
         """1.0 if this replica's accumulators are all finite, else 0.0."""
@@ -123,6 +141,8 @@ class GradientWindow:
             for s, used in zip(self.gradient_sums, self.has_gradient)
             if used
         ]
+        if not finite:
+            return tf.constant(1.0)
         return tf.cast(tf.reduce_all(tf.stack(finite)), tf.float32)
 
     def mean_gradients(self, total_weight):
@@ -130,9 +150,12 @@ class GradientWindow:
 
         Summing the result over replicas gives the weighted mean gradient of
         the whole window. Entries are None for variables without gradient.
+        A window whose weight is zero (every element masked) has a zero
+        gradient, as Keras's `divide_no_nan` gives the large batch.
         """
         return [
-            tf.cast(s / total_weight, v.dtype) if used else None
+            tf.cast(tf.math.divide_no_nan(s, total_weight), v.dtype)
+            if used else None
             for s, v, used in zip(
                 self.gradient_sums, self.trainable_variables, self.has_gradient
             )
@@ -143,7 +166,12 @@ class GradientWindow:
         for gradient_sum in self.gradient_sums:
             gradient_sum.assign(tf.zeros_like(gradient_sum))
         self.weight_sum.assign(0.0)
+        self.sample_sum.assign(0.0)
         self.micro_steps.assign(0)
+        if tf.executing_eagerly():
+            # Eager steps report gradients one micro step at a time; a trace
+            # has already seen every variable that can receive one.
+            self.has_gradient = [False] * len(self.has_gradient)
 
 
 def _short_name(variable):

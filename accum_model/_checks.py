@@ -1,8 +1,12 @@
 """Argument validation, done before any training variable exists."""
 
+import difflib
 import numbers
+import warnings
 
 import tensorflow as tf
+
+from accum_model import _keras_private
 
 
 def check_n_gradients(n_gradients):
@@ -79,3 +83,115 @@ def check_strategy(strategy):
             "replica. Received: distribute_strategy="
             f"{strategy.__class__.__name__}"
         )
+
+
+def check_keyword_arguments(model_class, kwargs, functional, own_arguments):
+    """Refuses keyword arguments that nothing in the model would use.
+
+    Keras's functional constructor ignores unknown keywords, so a misspelt
+    `n_gradient=4` would silently train with `n_gradients=1`. Checked only
+    where Keras's own constructor comes next after AccumulatingModel in the
+    class's MRO: another model class there takes keywords of its own.
+
+    Args:
+        model_class: The class being constructed.
+        kwargs: Keywords AccumulatingModel passes on to the next class.
+        functional: Bool. Whether the call builds a functional model.
+        own_arguments: AccumulatingModel's own keyword names.
+    """
+    if not _keras_private.next_init_is_keras_model(model_class):
+        return
+    allowed = _keras_private.model_keyword_arguments(functional)
+    unknown = [name for name in kwargs if name not in allowed]
+    if not unknown:
+        return
+    name = unknown[0]
+    close = difflib.get_close_matches(
+        name, sorted(set(own_arguments) | allowed), n=1
+    )
+    hint = f" Did you mean `{close[0]}`?" if close else ""
+    raise TypeError(
+        f"{model_class.__name__}() got an unexpected keyword argument "
+        f"{name!r}.{hint} Received: {name}={kwargs[name]!r}"
+    )
+
+
+def check_no_foreign_layers(model):
+    """Refuses layers of another Keras (e.g. `tf_keras`) inside the model.
+
+    Keras 3 does not track their weights, so they would train nothing.
+    """
+    foreign = sorted(
+        f"{name} ({type(value).__module__}.{type(value).__name__})"
+        for name, value in _keras_private.untracked_modules(model)
+    )
+    if foreign:
+        raise ValueError(
+            "The model holds layers of another Keras, whose weights Keras 3 "
+            "does not see and would never train: "
+            + ", ".join(foreign)
+            + ". Build the model from `keras` layers (Keras 3), or use "
+            "`tf_keras` throughout with TF_USE_LEGACY_KERAS=1."
+        )
+
+
+def warn_if_train_step_bypasses_window(model_class):
+    """Warns when an overridden `train_step` never reaches the window.
+
+    Such a step usually applies the optimizer itself on every micro-batch,
+    which is no accumulation at all. A step that calls
+    `accumulate_gradients` or `super().train_step` is fine.
+    """
+    names = _keras_private.names_used_by_overrides(
+        model_class, "train_step", stop_at=_accumulating_model_class()
+    )
+    if names is None or {"accumulate_gradients", "train_step"} & names:
+        return
+    warnings.warn(
+        f"{model_class.__name__}.train_step is overridden and calls neither "
+        "`self.accumulate_gradients(gradients, weight)` nor "
+        "`super().train_step(data)`, so it does not accumulate: the "
+        "optimizer would be applied on every micro-batch and `n_gradients` "
+        "would be ignored. Hand each micro-batch's gradients to "
+        "`accumulate_gradients` instead of `optimizer.apply_gradients`.",
+        stacklevel=3,
+    )
+
+
+def warn_if_loss_divisor_is_unknown(model_class):
+    """Returns whether micro-batches must be weighted by their sample count.
+
+    True, with a one-time warning, when `compute_loss` is overridden and
+    `micro_batch_weight` is not: what that loss divides by is unknown.
+    """
+    base = _accumulating_model_class()
+    overrides_loss = _keras_private.names_used_by_overrides(
+        model_class, "compute_loss", stop_at=None
+    ) is not None
+    overrides_weight = model_class.micro_batch_weight is not (
+        base.micro_batch_weight
+    )
+    if not overrides_loss or overrides_weight:
+        return False
+    if model_class not in _warned_about_weight:
+        _warned_about_weight.add(model_class)
+        warnings.warn(
+            f"{model_class.__name__} overrides `compute_loss`, so accum_model "
+            "cannot tell what it divides a micro-batch's loss by, and weights "
+            "each micro-batch by its number of samples. That is exact for a "
+            "loss that is a mean over samples; for any other (e.g. a mean "
+            "over tokens or valid time steps) override "
+            "`micro_batch_weight(x, y, y_pred, sample_weight)` to return what "
+            "the loss divides by.",
+            stacklevel=3,
+        )
+    return True
+
+
+_warned_about_weight = set()
+
+
+def _accumulating_model_class():
+    from accum_model.accumulating_model import AccumulatingModel
+
+    return AccumulatingModel

@@ -4,14 +4,25 @@ Checked against keras 3.15.1 and tensorflow 2.21.0. Each helper names the
 private member it touches, so a Keras upgrade is one file to review.
 """
 
+import inspect
+import types
+
+import keras
 import tensorflow as tf
 from keras import tree
 from keras.src.backend.common.masking import get_keras_mask
 from keras.src.models.functional import Functional
+from keras.src.models.functional import functional_like_constructor
 from keras.src.saving import object_registration
 
 __all__ = [
     "Functional",
+    "compute_loss",
+    "functional_like_constructor",
+    "model_keyword_arguments",
+    "names_used_by_overrides",
+    "next_init_is_keras_model",
+    "untracked_modules",
     "serialize_as",
     "get_keras_mask",
     "logs_for_reduction",
@@ -97,3 +108,96 @@ def logs_for_reduction(logs, strategy):
         name: tf.reshape(value, [1]) if value.shape.rank == 0 else value
         for name, value in logs.items()
     }
+
+
+def compute_loss(model, **arguments):
+    """Calls `model.compute_loss` with `training=True` where it takes it.
+
+    Keras's `Trainer._compute_loss` makes that choice for overrides of
+    `compute_loss` written before Keras 3.3, which lack `training`.
+    """
+    if "training" in inspect.signature(model.compute_loss).parameters:
+        return model.compute_loss(training=True, **arguments)
+    return model.compute_loss(**arguments)
+
+
+def model_keyword_arguments(functional):
+    """Keyword arguments Keras's model constructor accepts.
+
+    `Layer.__init__` names its keywords and also pops `input_dim` and
+    `input_shape` from `**kwargs` (keras 3.15.1); `Functional.__init__` adds
+    `inputs`, `outputs` and passes on only `name` and `trainable`.
+    """
+    names = {
+        name
+        for name, parameter in inspect.signature(
+            keras.layers.Layer.__init__
+        ).parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+    } | {"name", "input_dim", "input_shape"}
+    if functional:
+        names |= set(inspect.signature(Functional.__init__).parameters)
+        names.discard("self")
+        names.discard("kwargs")
+    return names
+
+
+def _is_keras_class(cls):
+    return cls.__module__.split(".")[0] == "keras" or cls is object
+
+
+def next_init_is_keras_model(model_class):
+    """Whether the `__init__` after AccumulatingModel's is Keras's own."""
+    from accum_model.accumulating_model import AccumulatingModel
+
+    mro = model_class.__mro__
+    for cls in mro[mro.index(AccumulatingModel) + 1:]:
+        if "__init__" in cls.__dict__:
+            return _is_keras_class(cls) or getattr(
+                cls, "_accum_model_router", False
+            )
+    return True
+
+
+def names_used_by_overrides(model_class, method_name, stop_at):
+    """Global names used by user overrides of a Keras model method.
+
+    Walks `model_class`'s MRO up to `stop_at` (or to Keras's own classes)
+    and collects the names each override's code refers to, nested functions
+    included. Returns None when no class overrides the method.
+    """
+    names = None
+    for cls in model_class.__mro__:
+        if cls is stop_at or _is_keras_class(cls):
+            break
+        method = cls.__dict__.get(method_name)
+        if method is None:
+            continue
+        names = names or set()
+        code = getattr(inspect.unwrap(method), "__code__", None)
+        codes = [code] if code is not None else []
+        while codes:
+            code = codes.pop()
+            names |= set(code.co_names)
+            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return names
+
+
+def untracked_modules(model):
+    """(attribute, object) pairs of Keras 2 layers held by Keras 3 layers.
+
+    Keras 2 (`tf_keras`, or TensorFlow 2.15's own) layers are `tf.Module`s,
+    and Keras 3 layers are not; Keras 3 tracks neither their weights nor
+    their sub-layers.
+    """
+    found = []
+    layers = [model] + list(model._flatten_layers(include_self=False))
+    for layer in layers:
+        for name, value in vars(layer).items():
+            values = value if isinstance(value, (list, tuple)) else [value]
+            for item in values:
+                if isinstance(item, tf.Module) and hasattr(
+                    item, "trainable_weights"
+                ) and not isinstance(item, keras.layers.Layer):
+                    found.append((name, item))
+    return found

@@ -41,6 +41,11 @@ class LossScaling:
         return tf.constant(lso.initial_scale, tf.float32)
 
     def scale_loss(self, loss):
+        # A static `loss_scale_factor` on the optimizer: its `apply` divides
+        # the gradients by it, so the loss must be multiplied by it here.
+        factor = getattr(self.update_optimizer, "loss_scale_factor", None)
+        if factor is not None:
+            loss = loss * tf.cast(factor, loss.dtype)
         if not self.active:
             return loss
         return loss * tf.cast(self.current_scale(), loss.dtype)

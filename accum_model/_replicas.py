@@ -55,6 +55,13 @@ def summed_into_first_replica(gradients):
     ]
 
 
+def in_cross_replica_context(fn):
+    """Runs `fn()` once, in cross-replica context, from either context."""
+    if tf.distribute.in_cross_replica_context():
+        return fn()
+    return tf.distribute.get_replica_context().merge_call(lambda _: fn())
+
+
 def run_if(predicate, fn):
     """From replica context, runs `fn()` when `predicate` holds.
 

@@ -1,4 +1,7 @@
-"""The callback that tells the training step where epochs end."""
+"""The callbacks that tie windows to `fit()`'s epochs, validation and logs."""
+
+import inspect
+import math
 
 import keras
 
@@ -6,25 +9,98 @@ import keras
 class WindowCallback(keras.callbacks.Callback):
     """Keeps windows aligned with `fit()`'s epochs; runs before user callbacks.
 
+    Applies the window still open before anything looks at the epoch's
+    weights: before validation (`on_test_begin`) and before the user's
+    `on_epoch_end`, when `flush_each_epoch` is set, the epoch is the last,
+    or training stops. Writes `skipped_windows` into the epoch's logs after
+    such an application, so an overflow skipped there shows in the progress
+    bar and the history.
+
     Args:
         accumulating_model: The `AccumulatingModel` being fitted.
+        epochs: Int. The `epochs` argument of `fit()`.
     """
 
-    def __init__(self, accumulating_model):
+    def __init__(self, accumulating_model, epochs):
         super().__init__()
         self.accumulating_model = accumulating_model
+        self.epochs = epochs
+        self._epoch = None
+
+    @classmethod
+    def added_to_fit_arguments(cls, model, args, kwargs):
+        """Returns `fit()`'s arguments with the window callbacks added."""
+        arguments = inspect.signature(keras.Model.fit).bind(
+            model, *args, **kwargs
+        ).arguments
+        del arguments["self"]
+        window_callback = cls(model, arguments.get("epochs", 1))
+        late_callback = _StoppedWindowCallback(window_callback)
+        callbacks = arguments.get("callbacks")
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            # Keras uses a CallbackList it is given as it is: the callbacks
+            # get the model here, and no `params` from Keras.
+            window_callback.set_model(model)
+            late_callback.set_model(model)
+            callbacks.callbacks.insert(0, window_callback)
+            callbacks.callbacks.append(late_callback)
+        else:
+            arguments["callbacks"] = (
+                [window_callback] + list(callbacks or []) + [late_callback]
+            )
+        return (), arguments
 
     def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        model = self.accumulating_model
         steps = self.params.get("steps") if self.params else None
-        self.accumulating_model._start_epoch(steps)
+        if steps:
+            # Keras runs whole executions of `steps_per_execution` steps, so
+            # an epoch of known length may run up to the next multiple.
+            per_execution = int(getattr(model, "steps_per_execution", 1) or 1)
+            steps = math.ceil(steps / per_execution) * per_execution
+        model._start_epoch(steps)
+
+    def on_test_begin(self, logs=None):
+        if self._epoch is not None:
+            self.apply_if_epoch_ends_window()
 
     def on_epoch_end(self, epoch, logs=None):
-        # The training step applies the open window on the epoch's last
-        # micro step when the epoch length is known, and the train function
-        # applies it when the data runs out. This catches what remains, e.g.
-        # an epoch cut short by `stop_training`.
-        if self.accumulating_model.flush_each_epoch:
-            self.accumulating_model.apply_open_window()
+        self.apply_if_epoch_ends_window()
+        self.log_skipped_windows(logs)
 
     def on_train_end(self, logs=None):
         self.accumulating_model.apply_open_window()
+        self.log_skipped_windows(logs)
+        self.accumulating_model._start_epoch(None)
+        self._epoch = None
+
+    def apply_if_epoch_ends_window(self):
+        model = self.accumulating_model
+        last_epoch = self._epoch is not None and self._epoch + 1 >= self.epochs
+        if model.flush_each_epoch or last_epoch or model.stop_training:
+            model.apply_open_window()
+
+    def log_skipped_windows(self, logs):
+        model = self.accumulating_model
+        if logs is not None and "skipped_windows" in logs:
+            logs["skipped_windows"] = model.skipped_windows
+
+
+class _StoppedWindowCallback(keras.callbacks.Callback):
+    """Runs after user callbacks: applies the window if one stopped training.
+
+    A callback such as `EarlyStopping` sets `stop_training` in its own
+    `on_epoch_end`, after `WindowCallback`'s; the window carried over
+    (`flush_each_epoch=False`) must still be applied before Keras finalizes
+    the optimizer (e.g. writes EMA weights) and returns.
+    """
+
+    def __init__(self, window_callback):
+        super().__init__()
+        self.window_callback = window_callback
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.window_callback.accumulating_model.stop_training:
+            self.window_callback.accumulating_model.apply_open_window()
+            self.window_callback.log_skipped_windows(logs)

@@ -1,19 +1,20 @@
 """The public `AccumulatingModel` class."""
 
-import inspect
-
 import keras
 import tensorflow as tf
-from keras import tree
 
 from accum_model import _checks
-from accum_model import _functional
 from accum_model import _keras_private
 from accum_model import _loss_divisor
+from accum_model import _model_classes
 from accum_model import _replicas
 from accum_model._accumulator import GradientWindow
 from accum_model._loss_scaling import LossScaling
 from accum_model._window_callback import WindowCallback
+from accum_model._window_end import WindowEnd
+
+# Constructor arguments of AccumulatingModel itself, with their defaults.
+SETTINGS = {"n_gradients": 1, "flush_each_epoch": True}
 
 
 @keras.saving.register_keras_serializable(package="accum_model")
@@ -30,15 +31,20 @@ class AccumulatingModel(keras.Model):
     schedules, clipping and weight decay only move on gradient steps.
 
     The window still open when an epoch ends is applied with the weight of
-    what it holds (`flush_each_epoch=True`), or carried on into the next
-    epoch and applied when `fit()` returns (`flush_each_epoch=False`).
-    Either way no gradient is left unapplied when `fit()` returns.
+    what it holds (`flush_each_epoch=True`), before validation, or carried
+    on into the next epoch and applied at the end of the last one
+    (`flush_each_epoch=False`). Either way no gradient is left unapplied
+    when `fit()` returns.
 
     Use it like `keras.Model`: functionally,
     `AccumulatingModel(inputs=..., outputs=..., n_gradients=4)`, or as a base
-    class whose `__init__` calls `super().__init__(n_gradients=4, **kwargs)`.
-    Metrics, the loss in the progress bar and callbacks see every micro
-    step. `evaluate()` and `predict()` are those of `keras.Model`.
+    class whose `__init__` calls `super().__init__(n_gradients=4, **kwargs)`,
+    alone or next to another model class
+    (`class Net(AccumulatingModel, SomeKerasModel)`). Metrics, the loss in the
+    progress bar and callbacks see every micro step. `evaluate()` and
+    `predict()` are those of `keras.Model`. A subclass that writes its own
+    `train_step` hands each micro-batch's gradients to
+    `accumulate_gradients`.
 
     Under mixed precision (`LossScaleOptimizer`), each micro step scales its
     loss with `get_scaled_loss` and unscales its gradients with
@@ -48,7 +54,8 @@ class AccumulatingModel(keras.Model):
 
     Args:
         n_gradients: Int >= 1. Number of micro-batches whose gradients make
-            one update. 1 trains exactly like `keras.Model`.
+            one update. 1 trains exactly like `keras.Model`. May be changed
+            between `fit()` calls while no window is open.
         flush_each_epoch: Bool. Whether the window open at the end of an
             epoch is applied then (True, the default) or continued in the
             next epoch (False).
@@ -56,20 +63,33 @@ class AccumulatingModel(keras.Model):
     """
 
     def __new__(cls, *args, **kwargs):
-        if _functional.is_functional_call(args, kwargs):
-            cls = _functional.functional_variant(cls)
-        return super().__new__(cls, *args, **kwargs)
+        return super().__new__(_model_classes.instance_class(cls), *args,
+                               **kwargs)
 
     def __init__(self, *args, n_gradients=1, flush_each_epoch=True, **kwargs):
         n_gradients = _checks.check_n_gradients(n_gradients)
         flush_each_epoch = _checks.check_flush_each_epoch(flush_each_epoch)
+        _checks.check_keyword_arguments(
+            type(self), kwargs, _model_classes.is_functional_call(args, kwargs),
+            own_arguments=SETTINGS,
+        )
         super().__init__(*args, **kwargs)
-        self.n_gradients = n_gradients
+        self._n_gradients = n_gradients
         self.flush_each_epoch = flush_each_epoch
         self._gradient_window = None
-        self._epoch_steps = -1
+        self._window_end = None
         self._loss_scaling = None
-        self._apply_open_window_function = None
+        self._epoch_steps = -1
+        self._weight_from_batch_size = False
+        settings = {
+            "n_gradients": n_gradients,
+            "flush_each_epoch": flush_each_epoch,
+        }
+        if isinstance(self, _keras_private.Functional):
+            self.__class__ = _model_classes.with_settings_for_clones(
+                type(self),
+                {k: v for k, v in settings.items() if v != SETTINGS[k]},
+            )
 
     # Configuration ---------------------------------------------------------
 
@@ -82,6 +102,26 @@ class AccumulatingModel(keras.Model):
             }
         )
         return config
+
+    @property
+    def n_gradients(self):
+        """Int. Micro-batches per optimizer update."""
+        return self._n_gradients
+
+    @n_gradients.setter
+    def n_gradients(self, value):
+        value = _checks.check_n_gradients(value)
+        open_steps = self._open_micro_steps()
+        if open_steps and value != self._n_gradients:
+            raise ValueError(
+                "`n_gradients` can only change at a window boundary: "
+                f"{open_steps} micro-batches are accumulated and not yet "
+                "applied. Call `model.apply_open_window()` first. Received: "
+                f"n_gradients={value!r}"
+            )
+        self._n_gradients = value
+        # The training step is traced with the window length: trace anew.
+        self.train_function = None
 
     # Public state ----------------------------------------------------------
 
@@ -99,13 +139,18 @@ class AccumulatingModel(keras.Model):
             return 0
         return self._gradient_window.accumulator_bytes
 
+    def _open_micro_steps(self):
+        window = getattr(self, "_gradient_window", None)
+        return 0 if window is None else int(window.micro_steps.numpy())
+
     # Hooks a subclass may override -----------------------------------------
 
     def get_scaled_loss(self, loss):
         """Scales a micro-batch loss before its gradients are taken.
 
-        With a `LossScaleOptimizer`, multiplies by its current dynamic scale;
-        otherwise returns `loss` unchanged.
+        Multiplies by the optimizer's `loss_scale_factor`, if set, and with a
+        `LossScaleOptimizer` by its current dynamic scale; otherwise returns
+        `loss` unchanged.
 
         Args:
             loss: Scalar tensor, the micro-batch loss from `compute_loss`.
@@ -116,14 +161,17 @@ class AccumulatingModel(keras.Model):
         return self._loss_scaling.scale_loss(loss)
 
     def get_unscaled_gradients(self, gradients):
-        """Undoes `get_scaled_loss` on a micro-batch's gradients.
+        """Undoes the dynamic part of `get_scaled_loss` on gradients.
+
+        A `loss_scale_factor` is left in: the optimizer divides it out when
+        it applies the window.
 
         Args:
             gradients: List of gradient tensors (or None), one per trainable
                 variable, of the scaled loss.
 
         Returns:
-            The gradients of the unscaled loss, in the same order.
+            The gradients, in the same order.
         """
         return self._loss_scaling.unscale_gradients(gradients)
 
@@ -134,8 +182,10 @@ class AccumulatingModel(keras.Model):
         by this number, which makes it the large batch's gradient. The
         default is the number of loss elements: samples, or time steps times
         samples for sequence outputs, or the valid elements when the output
-        carries a Keras mask. Override it for a custom loss that divides by
-        something else.
+        carries a Keras mask. When `compute_loss` is overridden, the default
+        is the number of samples (exact for a loss that is a mean of
+        per-sample losses) and a warning says so once. Override this method
+        for a loss that divides by something else.
 
         Args:
             x: Micro-batch inputs.
@@ -147,6 +197,8 @@ class AccumulatingModel(keras.Model):
             A float32 scalar tensor.
         """
         del y, sample_weight
+        if self._weight_from_batch_size:
+            return tf.cast(_loss_divisor.batch_size(x), tf.float32)
         return _loss_divisor.loss_divisor(x, y_pred)
 
     # Training --------------------------------------------------------------
@@ -155,27 +207,21 @@ class AccumulatingModel(keras.Model):
         if self.n_gradients == 1:
             return super().fit(*args, **kwargs)
         self._check_ready_to_accumulate()
-        bound = inspect.signature(keras.Model.fit).bind(self, *args, **kwargs)
-        arguments = bound.arguments
-        arguments["callbacks"] = self._with_window_callback(
-            arguments.get("callbacks")
-        )
-        del arguments["self"]
-        return super().fit(**arguments)
+        args, kwargs = WindowCallback.added_to_fit_arguments(self, args, kwargs)
+        return super().fit(*args, **kwargs)
 
     def _check_ready_to_accumulate(self):
-        """Raises before training if the compiled set-up cannot accumulate."""
+        """Raises (or warns) before training if the set-up cannot accumulate."""
         _checks.check_optimizer_does_not_accumulate(self.optimizer)
         _checks.check_strategy(self.distribute_strategy)
-        _checks.check_loss_reductions(tree.flatten(self.loss))
-
-    def _with_window_callback(self, callbacks):
-        window_callback = WindowCallback(self)
-        if isinstance(callbacks, keras.callbacks.CallbackList):
-            window_callback.set_model(self)
-            callbacks.callbacks.insert(0, window_callback)
-            return callbacks
-        return [window_callback] + list(callbacks or [])
+        _checks.check_loss_reductions(keras.tree.flatten(self.loss))
+        _checks.check_no_foreign_layers(self)
+        _checks.warn_if_train_step_bypasses_window(type(self))
+        self._weight_from_batch_size = (
+            _checks.warn_if_loss_divisor_is_unknown(
+                _model_classes.requested_class(type(self))
+            )
+        )
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Overrides a private Keras hook; see `_keras_private`.
@@ -190,66 +236,84 @@ class AccumulatingModel(keras.Model):
         if self.train_function is not None and not force:
             return self.train_function
         self._check_ready_to_accumulate()
-        self._check_no_window_left_open()
+        self._check_no_window_left_open(self.trainable_variables)
         self._settle_configuration()
-        if self.built:
-            self._build_training_state()
         super().make_train_function(force)
         self.train_function = self._applying_open_window_at_end_of_data(
             self.train_function
         )
         return self.train_function
 
-    def _check_no_window_left_open(self):
-        """Refuses to forget gradients when the trainable weights changed."""
+    def _check_no_window_left_open(self, trainable_variables):
+        """Refuses to forget gradients when the trainable weights changed.
+
+        After this error the open window is kept as it was, with the
+        optimizer and variables it was started with; `apply_open_window()`
+        applies it to those and lets training go on with the new ones.
+        """
         window = self._gradient_window
-        if window is None or window.matches(self.trainable_variables):
+        if window is None or window.matches(trainable_variables):
             return
-        open_steps = int(window.micro_steps.numpy())
+        open_steps = self._open_micro_steps()
         if open_steps:
             raise ValueError(
                 "The model's trainable weights changed while a window was "
                 f"open ({open_steps} micro-batches accumulated and not yet "
                 "applied). Call `model.apply_open_window()` before changing "
                 "which weights are trainable. Received: "
-                f"{len(self.trainable_variables)} trainable variables, "
+                f"{len(trainable_variables)} trainable variables, "
                 f"window built for {len(window.trainable_variables)}"
             )
 
     def _settle_configuration(self):
         """Decides, once per compiled set-up, how windows are applied."""
-        strategy = self.distribute_strategy
         self._loss_scaling = LossScaling(self.optimizer)
+        if self._gradient_window is not None:
+            self._window_end = self._make_window_end(self._gradient_window)
+
+    def _make_window_end(self, window):
+        strategy = self.distribute_strategy
         # Keras clips each replica's gradients before summing them over
         # replicas; to clip the window's gradient as one device would, it is
         # summed first (one more reduction per window, only in this case).
         update_optimizer = self._loss_scaling.update_optimizer
-        self._reduce_before_clipping = strategy.num_replicas_in_sync > 1 and any(
+        reduce_before_clipping = strategy.num_replicas_in_sync > 1 and any(
             getattr(update_optimizer, name, None) is not None
             for name in ("clipnorm", "clipvalue", "global_clipnorm")
         )
-        self._compute_loss_takes_training = (
-            "training" in inspect.signature(self.compute_loss).parameters
-        )
-        self._apply_open_window_function = self._make_apply_open_window()
+        return WindowEnd(window, self._loss_scaling, strategy,
+                         reduce_before_clipping, self.run_eagerly)
 
-    def _build_training_state(self):
-        """Creates optimizer and window variables for the model's weights.
+    def _ensure_training_state(self):
+        """Creates optimizer and window variables for the trainable weights.
 
-        Needs the model's weights, which a subclassed model only has after
-        its first call: then it runs while the training step is traced.
+        Runs in the training step, after the forward pass, because only then
+        does every weight exist: a subclassed model creates its weights in
+        its first call, and a layer used only in training in its first
+        training call.
         """
-        strategy = self.distribute_strategy
-        if not self.optimizer.built:
-            with strategy.scope():
-                self.optimizer.build(self.trainable_variables)
+        variables = self.trainable_variables
         window = self._gradient_window
-        if window is None or not window.matches(self.trainable_variables):
-            self._gradient_window = GradientWindow(
-                self.trainable_variables, strategy, self._epoch_steps
-            )
-            # The apply function reads the window when first traced.
-            self._apply_open_window_function = self._make_apply_open_window()
+        if (window is not None and window.matches(variables)
+                and self.optimizer.built):
+            return
+        _replicas.in_cross_replica_context(
+            lambda: self._build_training_state(variables)
+        )
+
+    def _build_training_state(self, variables):
+        with tf.init_scope():
+            self._check_no_window_left_open(variables)
+            strategy = self.distribute_strategy
+            if not self.optimizer.built:
+                with strategy.scope():
+                    self.optimizer.build(variables)
+            window = self._gradient_window
+            if window is None or not window.matches(variables):
+                self._gradient_window = GradientWindow(
+                    variables, strategy, self._epoch_steps
+                )
+                self._window_end = self._make_window_end(self._gradient_window)
 
     def _start_epoch(self, steps):
         """Called as an epoch begins, with its micro steps if known."""
@@ -269,18 +333,6 @@ class AccumulatingModel(keras.Model):
 
         return train_function_applying_open_window
 
-    def _make_apply_open_window(self):
-        def replica_step():
-            window = self._gradient_window
-            self._end_window_if(window.micro_steps > 0)
-
-        def apply_open_window():
-            self.distribute_strategy.run(replica_step)
-
-        if self.run_eagerly:
-            return apply_open_window
-        return tf.function(apply_open_window)
-
     def apply_open_window(self):
         """Applies the gradients of the window still open, if any.
 
@@ -288,9 +340,9 @@ class AccumulatingModel(keras.Model):
         with `flush_each_epoch=False`); call it only when driving
         `train_on_batch` or a custom loop by hand.
         """
-        if self.n_gradients == 1 or self._apply_open_window_function is None:
+        if self._window_end is None:
             return
-        self._apply_open_window_function()
+        self._window_end.apply_open()
 
     def train_step(self, data):
         if self.n_gradients == 1:
@@ -299,14 +351,13 @@ class AccumulatingModel(keras.Model):
         num_replicas = self.distribute_strategy.num_replicas_in_sync
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
-            if self._gradient_window is None:
-                with tf.init_scope():
-                    self._build_training_state()
             loss = self._micro_batch_loss(x, y, y_pred, sample_weight)
             scaled_loss = self.get_scaled_loss(loss)
-        trainable_variables = self._gradient_window.trainable_variables
-        gradients = tape.gradient(scaled_loss, trainable_variables)
+        self._ensure_training_state()
+        window = self._gradient_window
+        gradients = tape.gradient(scaled_loss, window.trainable_variables)
         gradients = self.get_unscaled_gradients(gradients)
+        self._track_loss(x, loss, num_replicas)
 
         # Keras divided this replica's loss by its own divisor and by the
         # number of replicas; multiplying both back gives the gradient of the
@@ -314,13 +365,8 @@ class AccumulatingModel(keras.Model):
         weight = tf.cast(
             self.micro_batch_weight(x, y, y_pred, sample_weight), tf.float32
         )
-        window = self._gradient_window
-        window.add(gradients, weight, gradient_scale=weight * num_replicas)
-        self._track_loss(x, loss, num_replicas)
-
-        window_full = window.micro_steps >= self.n_gradients
-        epoch_ends = tf.equal(window.steps_left_in_epoch, 0)
-        self._end_window_if(tf.logical_or(window_full, epoch_ends))
+        self._add_micro_step(gradients, weight, weight * num_replicas,
+                             _loss_divisor.batch_size(x))
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         if self._loss_scaling.active:
             # An overflow must never pass silently: show the count.
@@ -329,14 +375,68 @@ class AccumulatingModel(keras.Model):
             logs, self.distribute_strategy
         )
 
-    def _micro_batch_loss(self, x, y, y_pred, sample_weight):
-        if self._compute_loss_takes_training:
-            return self.compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                training=True,
+    def accumulate_gradients(self, gradients, weight, batch_size=None):
+        """Adds one micro-batch's gradients to the window; applies it when due.
+
+        For a subclass that writes its own `train_step`: call this once per
+        step instead of `optimizer.apply_gradients`, and the step accumulates
+        exactly like the built-in one, under every strategy the model
+        supports (call it from `train_step`, in replica context).
+
+        Args:
+            gradients: List of gradients, one per `self.trainable_variables`
+                (None where a variable has none), of this replica's
+                micro-batch loss, unscaled (see `get_unscaled_gradients`).
+                The loss is taken to be a mean over `weight` elements, not
+                divided by the number of replicas.
+            weight: Scalar. What the micro-batch loss was divided by (for a
+                mean over samples, the number of samples). Windows average
+                micro-batch gradients weighted by it.
+            batch_size: Optional scalar, the micro-batch's number of samples.
+                A step whose batch is empty on every replica (as at the end
+                of data of unknown length) then counts as no micro step.
+        """
+        self._ensure_training_state()
+        weight = tf.cast(weight, tf.float32)
+        if batch_size is None:
+            batch_size = tf.constant(1)
+        self._add_micro_step(list(gradients), weight, weight, batch_size)
+
+    def _add_micro_step(self, gradients, weight, gradient_scale, batch_size):
+        window = self._gradient_window
+        if len(gradients) != len(window.trainable_variables):
+            raise ValueError(
+                "Expected one gradient per trainable variable "
+                f"({len(window.trainable_variables)}). Received: "
+                f"{len(gradients)} gradients"
             )
-        return self.compute_loss(
-            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight
+        samples = tf.cast(batch_size, tf.float32)
+        has_data = self._micro_batch_has_data(samples)
+        window.add(gradients, weight, gradient_scale, samples, has_data)
+        window_full = window.micro_steps >= self.n_gradients
+        epoch_ends = tf.equal(window.steps_left_in_epoch, 0)
+        self._window_end.end_if(
+            tf.logical_and(has_data, tf.logical_or(window_full, epoch_ends))
+        )
+
+    def _micro_batch_has_data(self, samples):
+        """Whether this step's micro-batch has samples on some replica.
+
+        On one replica that is local knowledge. Across replicas it takes a
+        reduction, paid only where an empty step would shift a window: with
+        `flush_each_epoch=True` the empty step comes last in its epoch and
+        its window is applied right after it anyway (and a window of empty
+        steps alone is discarded when it ends).
+        """
+        if self.distribute_strategy.num_replicas_in_sync == 1:
+            return samples > 0
+        if self.flush_each_epoch:
+            return tf.constant(True)
+        return _replicas.sum_over_replicas(lambda: samples) > 0
+
+    def _micro_batch_loss(self, x, y, y_pred, sample_weight):
+        return _keras_private.compute_loss(
+            self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight
         )
 
     def _track_loss(self, x, loss, num_replicas):
@@ -346,64 +446,4 @@ class AccumulatingModel(keras.Model):
         tracker.update_state(
             loss * tf.cast(num_replicas, loss.dtype),
             sample_weight=_loss_divisor.batch_size(x),
-        )
-
-    # Window end ------------------------------------------------------------
-
-    def _end_window_if(self, should_end):
-        """From replica context: ends the window when `should_end` holds."""
-        _replicas.run_if(should_end, self._end_window)
-
-    def _end_window(self):
-        """Applies (or skips, on overflow) the window, then empties it.
-
-        Runs in replica or cross-replica context (see `_replicas`). The only
-        communication: one small reduction of the window's weight and
-        finiteness, and the optimizer's reduction of the gradients.
-        """
-        window = self._gradient_window
-        scaling = self._loss_scaling
-
-        if scaling.active:
-            totals = _replicas.sum_over_replicas(
-                lambda: tf.stack([window.weight_sum, window.local_is_finite()])
-            )
-            total_weight = totals[0]
-            num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
-            finite = tf.equal(totals[1], float(num_replicas))
-        else:
-            total_weight = _replicas.sum_over_replicas(
-                lambda: tf.identity(window.weight_sum)
-            )
-            finite = None
-
-        def update():
-            _replicas.for_each_replica(self._apply_mean_gradients, total_weight)
-            scaling.after_update()
-
-        def skip():
-            scaling.after_overflow()
-            _replicas.for_each_replica(
-                lambda: window.skipped_windows.assign_add(1)
-            )
-
-        if finite is None:
-            update()
-        else:
-            tf.cond(finite, update, skip)
-        _replicas.for_each_replica(window.reset)
-
-    def _apply_mean_gradients(self, total_weight):
-        """Replica context: hands the window gradient to the optimizer."""
-        window = self._gradient_window
-        gradients = window.mean_gradients(total_weight)
-        if self._reduce_before_clipping:
-            gradients = _replicas.summed_into_first_replica(gradients)
-        pairs = [
-            (g, v)
-            for g, v in zip(gradients, window.trainable_variables)
-            if g is not None
-        ]
-        self._loss_scaling.update_optimizer.apply(
-            [g for g, _ in pairs], [v for _, v in pairs]
         )

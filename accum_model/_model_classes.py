@@ -1,0 +1,130 @@
+"""The classes an `AccumulatingModel` instance really has.
+
+Keras's `Model.__init__`, given `inputs=`/`outputs=`, injects `Functional`
+into the bases of the instance's class *and of every ancestor*, for the rest
+of the process. Done to `AccumulatingModel`, to a user's class or to a
+keras-hub task, it breaks every later use of those classes built the other
+way. accum_model never lets that happen:
+
+* an instance is created as a *routed* class, a subclass of the requested
+  class and of `_FunctionalRouter`, which sits just above `keras.Model` in
+  the MRO and so receives the `__init__` call that would reach `Model`;
+* if that call is functional, the router switches the instance to the
+  requested class's *functional variant* (the class and `Functional`) and
+  runs `Functional.__init__`; otherwise it gives the instance the requested
+  class itself and runs `Model.__init__`.
+
+Both generated classes carry the requested class's name, module and
+qualified name, so names, name scopes and serialization are unchanged, and
+they are created once per class. No existing class is modified.
+"""
+
+import keras
+
+from accum_model import _keras_private
+
+_routed_classes = {}
+_functional_variants = {}
+_settings_bound_variants = {}
+
+
+def is_functional_call(args, kwargs):
+    """Whether constructor arguments ask for a functional model."""
+    return (
+        len(args) == 2
+        or (len(args) == 1 and "outputs" in kwargs)
+        or ("inputs" in kwargs and "outputs" in kwargs)
+    )
+
+
+def is_generated(cls):
+    """Whether `cls` is one of the classes made here."""
+    return cls.__dict__.get("_accum_model_generated", False)
+
+
+def requested_class(cls):
+    """The user's class behind a generated class (or `cls` itself)."""
+    while is_generated(cls):
+        cls = cls.__bases__[0]
+    return cls
+
+
+def instance_class(cls):
+    """The class `AccumulatingModel.__new__` creates for a request of `cls`."""
+    if is_generated(cls) or issubclass(cls, _keras_private.Functional):
+        return cls
+    routed = _routed_classes.get(cls)
+    if routed is None:
+        routed = _subclass(cls, _FunctionalRouter)
+        _routed_classes[cls] = routed
+    return routed
+
+
+def functional_variant(cls):
+    """Returns a subclass of `cls` and `Functional`, created once per class."""
+    cls = requested_class(cls)
+    if issubclass(cls, _keras_private.Functional):
+        return cls
+    variant = _functional_variants.get(cls)
+    if variant is None:
+        variant = _subclass(cls, _keras_private.Functional)
+        _functional_variants[cls] = variant
+    return variant
+
+
+def with_settings_for_clones(cls, settings):
+    """Returns a subclass of the functional `cls` that defaults to `settings`.
+
+    `keras.models.clone_model` rebuilds a functional model as
+    `type(model)(inputs, outputs, name=...)`, which would forget the
+    accumulation settings. Instances are given this subclass, whose
+    constructor fills in the settings the clone did not pass. Only done for
+    classes that Keras clones through their constructor.
+    """
+    if not settings or not _keras_private.functional_like_constructor(
+        requested_class(cls)
+    ):
+        return cls
+    key = (cls, repr(sorted(settings.items())))
+    bound = _settings_bound_variants.get(key)
+    if bound is None:
+
+        def __init__(self, *args, **kwargs):
+            for name, value in settings.items():
+                kwargs.setdefault(name, value)
+            super(bound, self).__init__(*args, **kwargs)
+
+        bound = _subclass(cls, namespace={"__init__": __init__})
+        _settings_bound_variants[key] = bound
+    return bound
+
+
+def _subclass(cls, extra_base=None, namespace=None):
+    bases = (cls,) if extra_base is None else (cls, extra_base)
+    subclass = type(
+        cls.__name__,
+        bases,
+        {
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__,
+            "_accum_model_generated": True,
+            **(namespace or {}),
+        },
+    )
+    _keras_private.serialize_as(subclass, cls)
+    return subclass
+
+
+class _FunctionalRouter(keras.Model):
+    """Receives the `keras.Model.__init__` call and routes it (see above)."""
+
+    _accum_model_router = True
+
+    def __init__(self, *args, **kwargs):
+        if is_functional_call(args, kwargs):
+            self.__class__ = functional_variant(type(self))
+            _keras_private.Functional.__init__(self, *args, **kwargs)
+        else:
+            self.__class__ = requested_class(type(self))
+            keras.Model.__init__(self, *args, **kwargs)

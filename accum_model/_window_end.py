@@ -1,0 +1,130 @@
+"""The end of a window: one optimizer update (or a skip), then an empty window.
+
+Written once for replica and cross-replica context (see `_replicas`). The
+only communication a window costs is here: one small reduction of the
+window's weight, samples and finiteness, and the optimizer's reduction of
+the gradients.
+"""
+
+import functools
+
+import tensorflow as tf
+
+from accum_model import _replicas
+
+
+class WindowEnd:
+    """Applies, skips or discards the window that `window` holds.
+
+    Args:
+        window: The `GradientWindow` being accumulated.
+        loss_scaling: The `LossScaling` of the compiled optimizer.
+        strategy: The `tf.distribute.Strategy` the model trains under.
+        reduce_before_clipping: Bool. Whether the window gradient is summed
+            over replicas before the optimizer sees it, so that clipping
+            acts on the whole gradient as on one device.
+        run_eagerly: Bool. Whether `apply_open` runs without `tf.function`.
+    """
+
+    def __init__(self, window, loss_scaling, strategy, reduce_before_clipping,
+                 run_eagerly):
+        self.window = window
+        self.loss_scaling = loss_scaling
+        self.strategy = strategy
+        self.reduce_before_clipping = reduce_before_clipping
+        self.run_eagerly = run_eagerly
+        self._apply_open_functions = {}
+
+    def end_if(self, should_end):
+        """From replica context: ends the window when `should_end` holds."""
+        _replicas.run_if(should_end, self.end)
+
+    def end(self):
+        """Applies the window (or skips it on overflow), then empties it.
+
+        A window that saw no sample on any replica (only steps on empty
+        batches at the end of data) is emptied without an update.
+        """
+        window = self.window
+        scaling = self.loss_scaling
+        totals = _replicas.sum_over_replicas(
+            lambda: tf.stack(
+                [window.weight_sum, window.sample_sum, window.local_is_finite()]
+            )
+        )
+        total_weight, total_samples = totals[0], totals[1]
+        num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        finite = tf.equal(totals[2], float(num_replicas))
+
+        def update():
+            _replicas.for_each_replica(self._apply_mean_gradients, total_weight)
+            scaling.after_update()
+
+        def skip():
+            scaling.after_overflow()
+            _replicas.for_each_replica(
+                lambda: window.skipped_windows.assign_add(1)
+            )
+
+        def update_or_skip():
+            if scaling.active:
+                tf.cond(finite, _no_result(update), _no_result(skip))
+            else:
+                update()
+
+        tf.cond(total_samples > 0, _no_result(update_or_skip), _do_nothing)
+        _replicas.for_each_replica(window.reset)
+
+    def _apply_mean_gradients(self, total_weight):
+        """Replica context: hands the window gradient to the optimizer."""
+        window = self.window
+        gradients = window.mean_gradients(total_weight)
+        if self.reduce_before_clipping:
+            gradients = _replicas.summed_into_first_replica(gradients)
+        pairs = [
+            (g, v)
+            for g, v in zip(gradients, window.trainable_variables)
+            if g is not None
+        ]
+        if not pairs:
+            return
+        self.loss_scaling.update_optimizer.apply(
+            [g for g, _ in pairs], [v for _, v in pairs]
+        )
+
+    def apply_open(self):
+        """Applies the window if it holds micro steps (eagerly called)."""
+        # Which variables receive gradients is fixed when a function is
+        # traced, so there is one traced function per such set.
+        key = tuple(self.window.has_gradient)
+        function = self._apply_open_functions.get(key)
+        if function is None:
+            function = self._make_apply_open()
+            self._apply_open_functions[key] = function
+        function()
+
+    def _make_apply_open(self):
+        # A partial, unlike a closure, has no code object of its own, so
+        # TensorFlow counts each model's traces apart and does not warn of
+        # retracing when many models are trained in one process.
+        apply_open_window = functools.partial(_apply_open_window, self)
+        if self.run_eagerly:
+            return apply_open_window
+        return tf.function(apply_open_window)
+
+
+def _apply_open_window(window_end):
+    window_end.strategy.run(
+        lambda: window_end.end_if(window_end.window.micro_steps > 0)
+    )
+
+
+def _no_result(fn):
+    def branch():
+        fn()
+
+    return branch
+
+
+def _do_nothing():
+    pass
