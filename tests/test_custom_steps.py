@@ -1,0 +1,167 @@
+"""A user's own `train_step` or `compute_loss` accumulates exactly, or is told."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from accum_model import AccumulatingModel
+from helpers import iterations
+from helpers import max_weight_difference
+from helpers import mlp
+from helpers import regression_data
+
+
+class TapeStep(AccumulatingModel):
+    """A functional model whose own step takes its gradients with a tape."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            predictions = self(x, training=True)
+            loss = tf.reduce_mean(tf.square(predictions - y))
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.accumulate_gradients(gradients, weight=tf.size(y),
+                                  batch_size=tf.shape(x)[0])
+        return {"loss": loss}
+
+
+class ApplyingStep(AccumulatingModel):
+    """The pattern that silently stops accumulating."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        return {"loss": loss}
+
+
+def _plain_large_batch(x, y, batch, make_optimizer, epochs):
+    plain = mlp(keras.Model)
+    plain.compile(optimizer=make_optimizer(), loss="mse")
+    plain.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
+    return plain
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_gradient_tape_step_matches_large_batch(replicas, two_replicas):
+    x, y = regression_data(samples=96)
+    plain = _plain_large_batch(x, y, 32, lambda: keras.optimizers.Adam(0.01),
+                               epochs=2)
+    strategy = two_replicas if replicas == 2 else tf.distribute.get_strategy()
+    with strategy.scope():
+        model = mlp(TapeStep, n_gradients=4)
+        model.compile(optimizer=keras.optimizers.Adam(0.01))
+    model.set_weights(mlp(keras.Model).get_weights())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message=".*shuffle.*")
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert iterations(model) == iterations(plain) == 6
+    assert max_weight_difference(plain, model) <= 1e-5
+
+
+def test_step_that_applies_the_optimizer_itself_is_warned_about():
+    x, y = regression_data(samples=32)
+    model = mlp(ApplyingStep, n_gradients=4)
+    model.compile(optimizer="sgd")
+    with pytest.warns(UserWarning, match="accumulate_gradients"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
+def test_step_that_calls_super_is_not_warned_about():
+    class Logged(AccumulatingModel):
+        def train_step(self, data):
+            logs = super().train_step(data)
+            return {**logs, "extra": tf.constant(1.0)}
+
+    x, y = regression_data(samples=32)
+    model = mlp(Logged, n_gradients=4)
+    model.compile(optimizer="sgd", loss="mse")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert iterations(model) == 1
+
+
+PADDING = -100.0
+
+
+def _per_sample_mean_loss(y, y_pred):
+    """A CTC-like loss: mean over each sample's valid steps, then samples."""
+    valid = tf.cast(y > PADDING / 2, y_pred.dtype)
+    squared = tf.square(y_pred[..., 0] - y) * valid
+    per_sample = tf.reduce_sum(squared, axis=1) / tf.reduce_sum(valid, axis=1)
+    return tf.reduce_mean(per_sample)
+
+
+class PerSampleLoss(keras.Model):
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
+                     training=True):
+        return _per_sample_mean_loss(y, y_pred)
+
+
+class AccumulatingPerSampleLoss(AccumulatingModel, PerSampleLoss):
+    pass
+
+
+class StatedWeight(AccumulatingPerSampleLoss):
+    def micro_batch_weight(self, x, y, y_pred, sample_weight):
+        return tf.cast(tf.shape(x)[0], tf.float32)
+
+
+def _padded_sequences(samples=64, seed=0):
+    """Sequences of 2 to 12 steps, each batch padded to its own longest."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(2, 13, size=samples)
+    xs = [rng.normal(size=(n, 3)).astype("float32") for n in lengths]
+    ys = [np.tanh(s.sum(axis=1)).astype("float32") for s in xs]
+    return xs, ys
+
+
+def _pad(xs, ys, indices):
+    longest = max(len(xs[i]) for i in indices)
+    x = np.zeros((len(indices), longest, 3), "float32")
+    y = np.full((len(indices), longest), PADDING, "float32")
+    for row, i in enumerate(indices):
+        x[row, :len(xs[i])] = xs[i]
+        y[row, :len(ys[i])] = ys[i]
+    return x, y
+
+
+def _sequence_model(model_class, **kwargs):
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((None, 3))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    outputs = keras.layers.Dense(1)(hidden)
+    return model_class(inputs=inputs, outputs=outputs, **kwargs)
+
+
+@pytest.mark.parametrize("model_class", [AccumulatingPerSampleLoss,
+                                         StatedWeight])
+def test_overridden_compute_loss_is_weighted_by_samples(model_class):
+    xs, ys = _padded_sequences()
+    micro = [list(range(i, i + 8)) for i in range(0, 64, 8)]
+    plain = _sequence_model(PerSampleLoss)
+    plain.compile(optimizer=keras.optimizers.SGD(0.1))
+    for start in (0, 4):
+        plain.train_on_batch(*_pad(xs, ys, sum(micro[start:start + 4], [])))
+
+    model = _sequence_model(model_class, n_gradients=4)
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    data = tf.data.Dataset.from_generator(
+        lambda: (_pad(xs, ys, batch) for batch in micro),
+        output_signature=(tf.TensorSpec((None, None, 3)),
+                          tf.TensorSpec((None, None))),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(data, epochs=1, verbose=0)
+    told = [w for w in caught if "micro_batch_weight" in str(w.message)]
+    assert len(told) == (1 if model_class is AccumulatingPerSampleLoss else 0)
+    assert iterations(model) == 2
+    assert max_weight_difference(plain, model) <= 1e-6
