@@ -142,8 +142,21 @@ def warn_if_train_step_bypasses_window(model_class):
     which is no accumulation at all. A step that calls
     `accumulate_gradients` or `super().train_step` is fine.
     """
+    base = _accumulating_model_class()
+    shadowed = _keras_private.overriding_classes(
+        model_class, "train_step", start_after=base
+    )
+    if shadowed:
+        warnings.warn(
+            f"{shadowed[0].__qualname__}.train_step is not used: "
+            "AccumulatingModel's own `train_step` comes first in the MRO of "
+            f"{model_class.__name__}. To keep a custom step, override "
+            "`train_step` in a subclass of AccumulatingModel and hand each "
+            "micro-batch's gradients to `self.accumulate_gradients`.",
+            stacklevel=3,
+        )
     names = _keras_private.names_used_by_overrides(
-        model_class, "train_step", stop_at=_accumulating_model_class()
+        model_class, "train_step", stop_at=base
     )
     if names is None or {"accumulate_gradients", "train_step"} & names:
         return

@@ -18,9 +18,10 @@ from keras.src.saving import object_registration
 __all__ = [
     "Functional",
     "compute_loss",
-    "functional_like_constructor",
+    "clones_through_constructor",
     "model_keyword_arguments",
     "names_used_by_overrides",
+    "overriding_classes",
     "next_init_is_keras_model",
     "untracked_modules",
     "serialize_as",
@@ -146,17 +147,51 @@ def _is_keras_class(cls):
     return cls.__module__.split(".")[0] == "keras" or cls is object
 
 
-def next_init_is_keras_model(model_class):
-    """Whether the `__init__` after AccumulatingModel's is Keras's own."""
+def _next_init_class(model_class):
+    """The first class after AccumulatingModel in the MRO with an `__init__`."""
     from accum_model.accumulating_model import AccumulatingModel
 
     mro = model_class.__mro__
     for cls in mro[mro.index(AccumulatingModel) + 1:]:
         if "__init__" in cls.__dict__:
-            return _is_keras_class(cls) or getattr(
-                cls, "_accum_model_router", False
-            )
-    return True
+            return cls
+    return object
+
+
+def next_init_is_keras_model(model_class):
+    """Whether the `__init__` after AccumulatingModel's is Keras's own."""
+    cls = _next_init_class(model_class)
+    return _is_keras_class(cls) or getattr(cls, "_accum_model_router", False)
+
+
+def clones_through_constructor(model_class):
+    """Whether `keras.models.clone_model` rebuilds via `model_class(...)`.
+
+    Keras's `functional_like_constructor` decides from the constructor's
+    signature; AccumulatingModel's own signature passes every argument on,
+    so the class after it in the MRO is the one that must accept them.
+    """
+    if next_init_is_keras_model(model_class):
+        return True
+    return functional_like_constructor(_next_init_class(model_class))
+
+
+def overriding_classes(model_class, method_name, start_after=None,
+                       stop_at=None):
+    """Classes in `model_class`'s MRO, other than Keras's, that define a method.
+
+    Looks after `start_after` (if given) and before `stop_at` (if given).
+    """
+    mro = model_class.__mro__
+    if start_after is not None:
+        mro = mro[mro.index(start_after) + 1:]
+    found = []
+    for cls in mro:
+        if cls is stop_at or _is_keras_class(cls):
+            break
+        if method_name in cls.__dict__:
+            found.append(cls)
+    return found
 
 
 def names_used_by_overrides(model_class, method_name, stop_at):

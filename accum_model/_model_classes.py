@@ -26,6 +26,7 @@ from accum_model import _keras_private
 _routed_classes = {}
 _functional_variants = {}
 _settings_bound_variants = {}
+_accumulating_classes = {}
 
 
 def is_functional_call(args, kwargs):
@@ -51,7 +52,10 @@ def requested_class(cls):
 
 def instance_class(cls):
     """The class `AccumulatingModel.__new__` creates for a request of `cls`."""
-    if is_generated(cls) or issubclass(cls, _keras_private.Functional):
+    # Routed even when `cls` derives from `Functional` now: Keras injects
+    # `Functional` into shared ancestors (a keras-hub `Task`, say) when their
+    # plain class is built functionally, and keras-hub resets them again.
+    if is_generated(cls):
         return cls
     routed = _routed_classes.get(cls)
     if routed is None:
@@ -63,8 +67,6 @@ def instance_class(cls):
 def functional_variant(cls):
     """Returns a subclass of `cls` and `Functional`, created once per class."""
     cls = requested_class(cls)
-    if issubclass(cls, _keras_private.Functional):
-        return cls
     variant = _functional_variants.get(cls)
     if variant is None:
         variant = _subclass(cls, _keras_private.Functional)
@@ -81,7 +83,7 @@ def with_settings_for_clones(cls, settings):
     constructor fills in the settings the clone did not pass. Only done for
     classes that Keras clones through their constructor.
     """
-    if not settings or not _keras_private.functional_like_constructor(
+    if not settings or not _keras_private.clones_through_constructor(
         requested_class(cls)
     ):
         return cls
@@ -97,6 +99,31 @@ def with_settings_for_clones(cls, settings):
         bound = _subclass(cls, namespace={"__init__": __init__})
         _settings_bound_variants[key] = bound
     return bound
+
+
+def accumulating_class(cls):
+    """A subclass of `AccumulatingModel` and `cls`, for an existing model.
+
+    Functional models serialize as `AccumulatingModel`, which Keras can
+    rebuild from their config.
+    """
+    from accum_model.accumulating_model import AccumulatingModel
+
+    accumulating = _accumulating_classes.get(cls)
+    if accumulating is None:
+        accumulating = type(
+            cls.__name__,
+            (AccumulatingModel, cls),
+            {
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "__doc__": cls.__doc__,
+            },
+        )
+        if cls is _keras_private.Functional:
+            _keras_private.serialize_as(accumulating, AccumulatingModel)
+        _accumulating_classes[cls] = accumulating
+    return accumulating
 
 
 def _subclass(cls, extra_base=None, namespace=None):
@@ -126,5 +153,6 @@ class _FunctionalRouter(keras.Model):
             self.__class__ = functional_variant(type(self))
             _keras_private.Functional.__init__(self, *args, **kwargs)
         else:
-            self.__class__ = requested_class(type(self))
+            if not isinstance(self, _keras_private.Functional):
+                self.__class__ = requested_class(type(self))
             keras.Model.__init__(self, *args, **kwargs)

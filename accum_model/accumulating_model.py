@@ -74,13 +74,7 @@ class AccumulatingModel(keras.Model):
             own_arguments=SETTINGS,
         )
         super().__init__(*args, **kwargs)
-        self._n_gradients = n_gradients
-        self.flush_each_epoch = flush_each_epoch
-        self._gradient_window = None
-        self._window_end = None
-        self._loss_scaling = None
-        self._epoch_steps = -1
-        self._weight_from_batch_size = False
+        self._init_accumulation(n_gradients, flush_each_epoch)
         settings = {
             "n_gradients": n_gradients,
             "flush_each_epoch": flush_each_epoch,
@@ -90,6 +84,16 @@ class AccumulatingModel(keras.Model):
                 type(self),
                 {k: v for k, v in settings.items() if v != SETTINGS[k]},
             )
+
+    def _init_accumulation(self, n_gradients, flush_each_epoch):
+        """Sets the state of accumulation; also used by `accumulating`."""
+        self._n_gradients = n_gradients
+        self.flush_each_epoch = flush_each_epoch
+        self._gradient_window = None
+        self._window_end = None
+        self._loss_scaling = None
+        self._epoch_steps = -1
+        self._weight_from_batch_size = False
 
     # Configuration ---------------------------------------------------------
 
