@@ -1,5 +1,7 @@
 """The public `AccumulatingModel` class."""
 
+import warnings
+
 import keras
 import tensorflow as tf
 
@@ -297,6 +299,9 @@ class AccumulatingModel(keras.Model):
         training call.
         """
         variables = self.trainable_variables
+        if not variables:
+            # What Keras's own step says; the window then updates nothing.
+            warnings.warn("The model does not have any trainable weights.")
         window = self._gradient_window
         if (window is not None and window.matches(variables)
                 and self.optimizer.built):

@@ -1,0 +1,228 @@
+"""Windows and `fit()`'s epochs: executions, validation, stops, EMA, reruns."""
+
+import keras
+import numpy as np
+import pytest
+
+from accum_model import AccumulatingModel
+from helpers import iterations
+from helpers import max_weight_difference
+from helpers import mlp
+from helpers import regression_data
+
+
+def _reference(x, y, windows, make_optimizer, **compile_kwargs):
+    """Plain Keras taking one step per window on the window's samples."""
+    plain = mlp(keras.Model)
+    plain.compile(optimizer=make_optimizer(), loss="mse", **compile_kwargs)
+    for window in windows:
+        plain.train_on_batch(x[window], y[window])
+    return plain
+
+
+def _micro_batches(samples, size=8):
+    return [list(range(i, min(i + size, samples)))
+            for i in range(0, samples, size)]
+
+
+class WindowSizes(keras.callbacks.Callback):
+    """Records how many micro-batches each update took."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes, self._seen, self._last = [], 0, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._seen += 1
+        now = int(self.model.optimizer.iterations.numpy())
+        if now != self._last:
+            self.sizes.append(self._seen)
+            self._seen, self._last = 0, now
+
+
+def test_steps_per_execution_that_does_not_divide_the_epoch():
+    # steps_per_epoch=10 with executions of 3: Keras runs 12 micro-batches.
+    x, y = regression_data(samples=128)
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                  steps_per_execution=3)
+    model.fit(x, y, batch_size=8, steps_per_epoch=10, epochs=1,
+              shuffle=False, verbose=0)
+    micro = _micro_batches(128)
+    windows = [sum(micro[i:i + 4], []) for i in (0, 4, 8)]
+    plain = _reference(x, y, windows, lambda: keras.optimizers.SGD(0.1))
+    assert iterations(model) == 3
+    assert max_weight_difference(plain, model) <= 1e-6
+
+
+def test_steps_per_execution_with_an_epoch_shorter_than_its_executions():
+    # 10 micro-batches of data, executions of 3: Keras runs 3, 3, 3, 1.
+    x, y = regression_data(samples=80)
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                  steps_per_execution=3)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    micro = _micro_batches(80)
+    epoch = [sum(micro[i:i + 4], []) for i in (0, 4, 8)]
+    plain = _reference(x, y, epoch * 2, lambda: keras.optimizers.SGD(0.1))
+    assert iterations(model) == 6
+    assert max_weight_difference(plain, model) <= 1e-6
+
+
+class StopAt(keras.callbacks.Callback):
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            self.model.stop_training = True
+
+
+@pytest.mark.parametrize("as_callback_list", [False, True])
+def test_validation_sees_the_epochs_last_window(as_callback_list):
+    x, y = regression_data(samples=100)
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    callbacks = [StopAt(4)]
+    if as_callback_list:
+        callbacks = keras.callbacks.CallbackList(callbacks, add_history=True,
+                                                model=model)
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                        verbose=0, validation_data=(x[:40], y[:40]),
+                        callbacks=callbacks)
+    assert iterations(model) == 2
+    after = model.evaluate(x[:40], y[:40], verbose=0)
+    np.testing.assert_allclose(history.history["val_loss"][-1], after,
+                               rtol=1e-6)
+
+
+def test_every_epoch_validates_after_its_window_with_a_callback_list():
+    x, y = regression_data(samples=100)
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    seen = []
+
+    class Evaluate(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append((logs["val_loss"],
+                         self.model.evaluate(x[:40], y[:40], verbose=0)))
+
+    callbacks = keras.callbacks.CallbackList([Evaluate()], add_history=True,
+                                            model=model)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+              validation_data=(x[:40], y[:40]), callbacks=callbacks)
+    assert iterations(model) == 8
+    for validated, evaluated in seen:
+        np.testing.assert_allclose(validated, evaluated, rtol=1e-6)
+
+
+@pytest.mark.parametrize("flush_each_epoch", [True, False])
+def test_ema_is_written_after_the_last_window(flush_each_epoch):
+    x, y = regression_data(samples=80)
+
+    def optimizer():
+        return keras.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.5,
+                                     ema_overwrite_frequency=None)
+
+    model = mlp(AccumulatingModel, n_gradients=4,
+                flush_each_epoch=flush_each_epoch)
+    model.compile(optimizer=optimizer(), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+    micro = _micro_batches(80)
+    if flush_each_epoch:
+        windows = [sum(micro[i:i + 4], []) for i in (0, 4, 8)] * 3
+    else:  # 30 micro-batches: 7 windows of 4, and 2 open at the end
+        micro = micro * 3
+        windows = [sum(micro[i:i + 4], []) for i in range(0, 30, 4)]
+    plain = mlp(keras.Model)
+    plain.compile(optimizer=optimizer(), loss="mse")
+    for window in windows:
+        plain.train_on_batch(x[window], y[window])
+    plain.optimizer.finalize_variable_values(plain.trainable_variables)
+    assert iterations(model) == len(windows)
+    assert max_weight_difference(plain, model) <= 1e-6
+
+
+def test_window_carried_over_is_applied_when_a_callback_stops_training():
+    x, y = regression_data(samples=40)
+
+    class StopAtEpochEnd(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.stop_training = True
+
+    model = mlp(AccumulatingModel, n_gradients=4, flush_each_epoch=False)
+    model.compile(optimizer=keras.optimizers.Adam(
+        0.01, use_ema=True, ema_overwrite_frequency=None), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+              callbacks=[StopAtEpochEnd()])
+    micro = _micro_batches(40)
+    plain = mlp(keras.Model)
+    plain.compile(optimizer=keras.optimizers.Adam(
+        0.01, use_ema=True, ema_overwrite_frequency=None), loss="mse")
+    for window in (sum(micro[:4], []), micro[4]):
+        plain.train_on_batch(x[window], y[window])
+    plain.optimizer.finalize_variable_values(plain.trainable_variables)
+    assert iterations(model) == 2
+    assert max_weight_difference(plain, model) <= 1e-6
+
+
+def test_fit_stopped_mid_epoch_leaves_no_epoch_length_behind():
+    x, y = regression_data(samples=100)
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+              callbacks=[StopAt(1)])
+    assert iterations(model) == 1
+    # train_on_batch windows are n_gradients long, whatever fit() left.
+    for start in range(0, 64, 8):
+        model.train_on_batch(x[start:start + 8], y[start:start + 8])
+    assert iterations(model) == 3
+    assert model._open_micro_steps() == 0
+
+
+def test_window_rebuilt_after_fit_forgets_the_epochs_length():
+    x, y = regression_data(samples=128)
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(x[:100], y[:100], batch_size=8, epochs=1, shuffle=False,
+              verbose=0)  # epochs of 13 micro-batches
+    model.layers[1].trainable = False
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    for start in range(0, 128, 8):
+        model.train_on_batch(x[start:start + 8], y[start:start + 8])
+    assert iterations(model) == 4
+    assert model._open_micro_steps() == 0
+
+
+def test_n_gradients_changed_between_fits_takes_effect():
+    x, y = regression_data(samples=64)
+    model = mlp(AccumulatingModel, n_gradients=2)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    model.n_gradients = 4
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    micro = _micro_batches(64)
+    windows = ([sum(micro[i:i + 2], []) for i in range(0, 8, 2)]
+               + [sum(micro[i:i + 4], []) for i in (0, 4)])
+    plain = _reference(x, y, windows, lambda: keras.optimizers.SGD(0.1))
+    assert iterations(model) == 6
+    assert max_weight_difference(plain, model) <= 1e-6
+    model.n_gradients = 1
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert iterations(model) == 14
+
+
+def test_n_gradients_cannot_change_with_a_window_open():
+    x, y = regression_data(samples=16)
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer="sgd", loss="mse")
+    model.train_on_batch(x[:8], y[:8])
+    with pytest.raises(ValueError, match="apply_open_window"):
+        model.n_gradients = 2
+    for bad in (0, 2.5, "2"):
+        with pytest.raises(ValueError, match="n_gradients"):
+            model.n_gradients = bad
+    model.apply_open_window()
+    model.n_gradients = 2
+    assert model.n_gradients == 2
