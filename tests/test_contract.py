@@ -370,3 +370,65 @@ def test_open_window_is_never_dropped_when_trainable_weights_change():
     model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(ValueError, match="1 micro-batches accumulated"):
         model.train_on_batch(x[8:], y[8:])
+
+
+def test_nothing_to_train_is_said_as_keras_says_it():
+    x, y = regression_data(samples=16)
+    model = mlp(AccumulatingModel, n_gradients=2)
+    model.trainable = False
+    model.compile(optimizer="sgd", loss="mse")
+    before = model.get_weights()
+    with pytest.warns(UserWarning, match="does not have any trainable"):
+        model.fit(x, y, batch_size=8, verbose=0)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_layers_of_another_keras_are_refused_by_name():
+    tf_keras = pytest.importorskip("tf_keras")
+
+    class Legacy(AccumulatingModel):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.legacy_dense = tf_keras.layers.Dense(3)
+            self.dense = keras.layers.Dense(3)
+
+        def call(self, inputs):
+            return self.dense(inputs) + self.legacy_dense(inputs)
+
+    x, y = regression_data(samples=16)
+    model = Legacy(n_gradients=2)
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="legacy_dense.*tf_keras"):
+        model.fit(x, y, batch_size=8, verbose=0)
+
+
+def test_many_models_in_one_process_trace_without_retracing_warnings(caplog):
+    x, y = regression_data(samples=24)
+    with caplog.at_level("WARNING"):
+        for _ in range(7):
+            model = _compiled(n_gradients=2)
+            model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    assert not [r for r in caplog.records
+                if "apply_open_window" in r.getMessage()]
+
+
+def test_state_after_the_trainable_weights_error_is_the_open_window():
+    # The refused step changes nothing: the open window still holds its
+    # micro-batch, and applying it uses the variables it was built for.
+    x, y = regression_data(samples=16)
+    model = _compiled(n_gradients=4, optimizer=keras.optimizers.SGD(0.1))
+    model.train_on_batch(x[:8], y[:8])
+    model.layers[1].trainable = False
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    with pytest.raises(ValueError, match="apply_open_window"):
+        model.train_on_batch(x[8:], y[8:])
+    assert model._open_micro_steps() == 1
+    model.layers[1].trainable = True
+    model.apply_open_window()
+    plain = _windows_reference(x, y, [list(range(8))],
+                               keras.optimizers.SGD(0.1))
+    assert max_weight_difference(plain, model) <= 1e-6
+    model.layers[1].trainable = False
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.train_on_batch(x[8:], y[8:])  # the window is empty: accepted

@@ -335,3 +335,77 @@ def test_weight_regularization_counts_once_per_window():
         _regularized, OPTIMIZERS["sgd"], x, y, micro_batch=8, n_gradients=4,
     )
     assert max_weight_difference(plain, accumulating) <= TOLERANCE
+
+
+def _branching_net(base, n_gradients=None):
+    """A subclassed net with a layer that only training, or some samples, use.
+
+    `extra` runs only under `training=True`, and in eager mode only when
+    some sample of the batch needs it (a Python branch), so some
+    micro-batches give it no gradient at all.
+    """
+
+    class Branching(base):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.hidden = keras.layers.Dense(8, activation="tanh")
+            self.out = keras.layers.Dense(3)
+            self.extra = keras.layers.Dense(3)
+
+        def call(self, inputs, training=False):
+            outputs = self.out(self.hidden(inputs))
+            if not training:
+                return outputs
+            needs = tf.cast(inputs[:, :1] > 1.2, outputs.dtype)
+            if tf.executing_eagerly() and not bool(tf.reduce_any(needs > 0)):
+                return outputs
+            return outputs + needs * self.extra(inputs)
+
+    keras.utils.set_random_seed(21)
+    kwargs = {} if n_gradients is None else {"n_gradients": n_gradients}
+    return Branching(**kwargs)
+
+
+@pytest.mark.parametrize("before_fit", ["build", "predict", "evaluate"])
+def test_model_used_before_fit_trains_every_weight(before_fit):
+    x, y = regression_data(samples=96)
+    models = []
+    for base, kwargs in ((keras.Model, {}), (AccumulatingModel,
+                                             {"n_gradients": 4})):
+        model = _branching_net(base, **kwargs)
+        model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+        if before_fit == "build":
+            model.build((None, 6))
+        elif before_fit == "predict":
+            model.predict(x[:8], verbose=0)
+        else:
+            model.evaluate(x[:8], y[:8], verbose=0)
+        models.append(model)
+    plain, accumulating = models
+    accumulating.set_weights(plain.get_weights())
+    plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    accumulating.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert iterations(accumulating) == iterations(plain) == 6
+    assert len(accumulating.trainable_weights) == 6
+    assert max_weight_difference(plain, accumulating) <= TOLERANCE
+
+
+def test_eager_window_keeps_gradients_only_some_micro_batches_have():
+    x, y = regression_data(samples=64)
+    # The last micro-batch of the first window needs no `extra`.
+    x[24:32, 0] = -1.0
+    x[:24, 0] = np.where(np.arange(24) % 5 == 0, 2.0, x[:24, 0])
+    plain = _branching_net(keras.Model)
+    plain.compile(optimizer=OPTIMIZERS["sgd"](), loss="mse", run_eagerly=True)
+    accumulating = _branching_net(AccumulatingModel, n_gradients=4)
+    accumulating.compile(optimizer=OPTIMIZERS["sgd"](), loss="mse",
+                         run_eagerly=True)
+    plain(x[:1], training=True)
+    accumulating(x[:1], training=True)
+    accumulating.set_weights(plain.get_weights())
+    extra_before = plain.extra.kernel.numpy().copy()
+    plain.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    accumulating.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert not np.array_equal(extra_before, plain.extra.kernel.numpy())
+    assert iterations(accumulating) == iterations(plain) == 2
+    assert max_weight_difference(plain, accumulating) <= TOLERANCE
