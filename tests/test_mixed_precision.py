@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from accum_model import AccumulatingModel
 from helpers import fit_both
@@ -209,3 +210,80 @@ def test_overflow_on_one_replica_skips_the_window_on_both(
     assert float(model.optimizer.dynamic_scale.numpy()) == 2.0**14
     assert all(np.all(np.isfinite(w)) for w in model.get_weights())
     assert max_weight_difference(model, first_window_only) == 0.0
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_static_loss_scale_factor_matches_large_batch(policy, name):
+    # The static scaling Keras recommends instead of a LossScaleOptimizer:
+    # the loss is multiplied by `loss_scale_factor`, `apply` divides by it.
+    x, y = regression_data(samples=96)
+    rates = {"sgd": keras.optimizers.SGD, "adam": keras.optimizers.Adam}
+
+    def make_optimizer():
+        return rates[name](0.01, loss_scale_factor=128.0)
+
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        plain, accumulating = fit_both(
+            mlp, make_optimizer, x, y, micro_batch=8, n_gradients=4,
+            compile_kwargs={"auto_scale_loss": False},
+        )
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    float32_model, _ = _float32_large_batch(
+        lambda: rates[name](0.01), x, y)
+    rounding = max_weight_difference(plain, float32_model)
+    assert iterations(accumulating) == iterations(plain) == 6
+    # A half-applied factor misses by 1e-3 (SGD) to 7e-3 (Adam).
+    assert max_weight_difference(plain, accumulating) <= 2 * rounding + 1e-5
+
+
+def _generator(x, y):
+    for start in range(0, len(x), 8):
+        yield x[start:start + 8], y[start:start + 8]
+
+
+class _StopAtFifth(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 4:
+            self.model.stop_training = True
+
+
+@pytest.mark.parametrize("ending", ["end_of_data", "stop_training",
+                                    "end_of_fit"])
+def test_window_skipped_outside_the_training_step_is_in_the_logs(ending):
+    # 40 samples: the window of micro-batch 5 (samples 32-39) overflows, and
+    # is applied after the training step: when the data of unknown length
+    # runs out, when a callback stops training, or when fit() ends.
+    x, y = regression_data(samples=40)
+    y = y.copy()
+    y[35] = 1e4
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = mlp(AccumulatingModel, n_gradients=4,
+                flush_each_epoch=ending != "end_of_fit")
+    model.compile(optimizer=OPTIMIZERS["sgd"](), loss="mse")
+    logged = {}
+
+    class Record(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            logged["epoch_end"] = logs["skipped_windows"]
+
+        def on_train_end(self, logs=None):
+            logged["train_end"] = logs["skipped_windows"]
+
+    if ending == "end_of_data":
+        data = tf.data.Dataset.from_generator(
+            lambda: _generator(x, y),
+            output_signature=(tf.TensorSpec((None, 6)),
+                              tf.TensorSpec((None, 3))))
+        history = model.fit(data, epochs=1, verbose=0, callbacks=[Record()])
+    else:
+        callbacks = [Record()] + ([_StopAtFifth()]
+                                  if ending == "stop_training" else [])
+        history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False,
+                            verbose=0, callbacks=callbacks)
+    assert model.skipped_windows == 1
+    assert iterations(model) == 1
+    assert history.history["skipped_windows"] == [1]
+    assert logged == {"epoch_end": 1, "train_end": 1}
