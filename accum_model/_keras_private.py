@@ -4,6 +4,7 @@ Checked against keras 3.15.1 and tensorflow 2.21.0. Each helper names the
 private member it touches, so a Keras upgrade is one file to review.
 """
 
+import contextlib
 import inspect
 import types
 
@@ -13,11 +14,13 @@ from keras import tree
 from keras.src.backend.common.masking import get_keras_mask
 from keras.src.models.functional import Functional
 from keras.src.models.functional import functional_like_constructor
+from keras.src.losses import loss as keras_loss_module
 from keras.src.saving import object_registration
 
 __all__ = [
     "Functional",
     "compute_loss",
+    "losses_not_divided_by_replicas",
     "clones_through_constructor",
     "model_keyword_arguments",
     "names_used_by_overrides",
@@ -27,19 +30,22 @@ __all__ = [
     "serialize_as",
     "get_keras_mask",
     "logs_for_reduction",
-    "loss_tracker",
+    "track_loss",
     "symbolic_build_from_local_batch",
     "strategy_supports_no_merge_call",
 ]
 
 
-def loss_tracker(model):
-    """Returns the `Mean` metric that `fit()` reports as "loss", or None.
+def track_loss(model, loss, batch_size):
+    """Adds a micro-batch's loss to the "loss" that `fit()` reports.
 
-    Keras keeps it in the private `Trainer._loss_tracker`; its own
-    `train_step` updates it directly and no public accessor exists.
+    Keras keeps that `Mean` metric in the private `Trainer._loss_tracker`;
+    its own `train_step` updates it directly, weighted by the batch size,
+    and no public accessor exists.
     """
-    return getattr(model, "_loss_tracker", None)
+    tracker = getattr(model, "_loss_tracker", None)
+    if tracker is not None:
+        tracker.update_state(loss, sample_weight=batch_size)
 
 
 def strategy_supports_no_merge_call():
@@ -236,3 +242,32 @@ def untracked_modules(model):
                 ) and not isinstance(item, keras.layers.Layer):
                     found.append((name, item))
     return found
+
+
+@contextlib.contextmanager
+def losses_not_divided_by_replicas():
+    """While tracing a loss, keeps Keras from dividing it by the replicas.
+
+    Keras 3.8+ divides each reduced loss by the number of replicas in
+    `keras.src.losses.loss.scale_loss_for_distribution`, but not a loss that
+    is already a scalar before reduction (an output of shape `(batch,)`, a
+    `Loss` whose `call` returns the batch mean), and Keras 3.6-3.7 divide
+    none. Made the identity here (with its inverse, which per-output loss
+    metrics use), every loss is this replica's own mean, whatever the Keras
+    version or loss shape. Checked on keras 3.15.1.
+    """
+    names = ("scale_loss_for_distribution", "unscale_loss_for_distribution")
+    saved = {n: getattr(keras_loss_module, n, None) for n in names}
+    for name, function in saved.items():
+        if function is not None:
+            setattr(keras_loss_module, name, _identity)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            if function is not None:
+                setattr(keras_loss_module, name, function)
+
+
+def _identity(value):
+    return value

@@ -357,24 +357,26 @@ class AccumulatingModel(keras.Model):
         if self.n_gradients == 1:
             return super().train_step(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        num_replicas = self.distribute_strategy.num_replicas_in_sync
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
-            loss = self._micro_batch_loss(x, y, y_pred, sample_weight)
+            # This replica's own mean loss, never divided by the replicas:
+            # the window end divides by the whole window's weight instead.
+            with _keras_private.losses_not_divided_by_replicas():
+                loss = self._micro_batch_loss(x, y, y_pred, sample_weight)
             scaled_loss = self.get_scaled_loss(loss)
         self._ensure_training_state()
         window = self._gradient_window
         gradients = tape.gradient(scaled_loss, window.trainable_variables)
         gradients = self.get_unscaled_gradients(gradients)
-        self._track_loss(x, loss, num_replicas)
+        _keras_private.track_loss(self, loss, _loss_divisor.batch_size(x))
 
-        # Keras divided this replica's loss by its own divisor and by the
-        # number of replicas; multiplying both back gives the gradient of the
-        # summed loss, which the window end divides by the window's total.
+        # The loss is a mean over `weight` elements; multiplying it back
+        # gives the gradient of the summed loss, which the window end
+        # divides by the window's total weight.
         weight = tf.cast(
             self.micro_batch_weight(x, y, y_pred, sample_weight), tf.float32
         )
-        self._add_micro_step(gradients, weight, weight * num_replicas,
+        self._add_micro_step(gradients, weight, weight,
                              _loss_divisor.batch_size(x))
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         if self._loss_scaling.active:
@@ -446,13 +448,4 @@ class AccumulatingModel(keras.Model):
     def _micro_batch_loss(self, x, y, y_pred, sample_weight):
         return _keras_private.compute_loss(
             self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight
-        )
-
-    def _track_loss(self, x, loss, num_replicas):
-        tracker = _keras_private.loss_tracker(self)
-        if tracker is None:
-            return
-        tracker.update_state(
-            loss * tf.cast(num_replicas, loss.dtype),
-            sample_weight=_loss_divisor.batch_size(x),
         )

@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from accum_model import AccumulatingModel
 from helpers import fit_both
@@ -94,3 +95,89 @@ def test_subclassed_model_under_two_replicas(two_replicas):
     accumulating.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert iterations(accumulating) == 2
     assert np.all(np.isfinite(accumulating.get_weights()[0]))
+
+
+@pytest.mark.parametrize("flush_each_epoch", [True, False])
+def test_datasets_from_a_function_match_one_device(two_replicas,
+                                                   flush_each_epoch):
+    # Each replica reads batches of 4 from the function's dataset, so a
+    # micro-batch is 8 samples in order; at the end of the data TensorFlow
+    # runs one more step in which both replicas are empty. That step must be
+    # no micro step: no NaN, no extra update, no shifted window.
+    x, y = regression_data(samples=80)
+    micro = [list(range(i, i + 8)) for i in range(0, 80, 8)]
+
+    def dataset_fn(context):
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(
+            context.get_per_replica_batch_size(8))
+
+    epochs = 3
+    per_epoch = micro * epochs
+    if flush_each_epoch:
+        windows = [sum(micro[i:i + 4], []) for i in (0, 4, 8)] * epochs
+    else:
+        windows = [sum(per_epoch[i:i + 4], []) for i in range(0, 30, 4)]
+    plain = mlp(keras.Model)
+    plain.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    for window in windows:
+        plain.train_on_batch(x[window], y[window])
+    with two_replicas.scope():
+        model = mlp(AccumulatingModel, n_gradients=4,
+                    flush_each_epoch=flush_each_epoch)
+        model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    data = two_replicas.distribute_datasets_from_function(dataset_fn)
+    model.fit(data, epochs=epochs, verbose=0)
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+    assert iterations(model) == len(windows)
+    assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+class _BatchMeanLoss(keras.losses.Loss):
+    """A loss whose `call` already returns the batch mean (a scalar)."""
+
+    def call(self, y_true, y_pred):
+        return keras.ops.mean(keras.ops.square(y_true - y_pred))
+
+
+def _scalar_output(model_class, **kwargs):
+    keras.utils.set_random_seed(4)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    outputs = keras.layers.Reshape(())(keras.layers.Dense(1)(hidden))
+    return model_class(inputs=inputs, outputs=outputs, **kwargs)
+
+
+@pytest.mark.parametrize("shape", ["scalar_output", "batch_mean_loss"])
+def test_losses_keras_leaves_undivided_match_one_device(two_replicas, shape):
+    # Keras divides a reduced loss by the replicas, but not one that is a
+    # scalar before reduction; the window must equal one device either way.
+    x, y = regression_data(samples=96, outputs=1)
+    if shape == "scalar_output":
+        build, loss, y = _scalar_output, "mse", y[:, 0]
+    else:
+        build, loss = mlp, _BatchMeanLoss()
+
+    def make(model_class, **kwargs):
+        if build is mlp:
+            return mlp(model_class, outputs=1, **kwargs)
+        return build(model_class, **kwargs)
+
+    plain = make(keras.Model)
+    plain.compile(optimizer=OPTIMIZERS["sgd"](), loss=loss)
+    with two_replicas.scope():
+        model = make(AccumulatingModel, n_gradients=4)
+        model.compile(optimizer=OPTIMIZERS["sgd"](), loss=loss)
+    model.set_weights(plain.get_weights())
+    plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                        verbose=0)
+    assert iterations(model) == iterations(plain) == 6
+    assert max_weight_difference(plain, model) <= TOLERANCE
+    # The reported loss is one device's too, not twice it.
+    one_device = make(AccumulatingModel, n_gradients=4)
+    one_device.compile(optimizer=OPTIMIZERS["sgd"](), loss=loss)
+    one_device.set_weights(make(keras.Model).get_weights())
+    one_device_history = one_device.fit(x, y, batch_size=8, epochs=2,
+                                        shuffle=False, verbose=0)
+    np.testing.assert_allclose(history.history["loss"],
+                               one_device_history.history["loss"], rtol=1e-5)
