@@ -77,3 +77,16 @@ def test_one_gradient_reduction_per_window(two_replicas, clipping):
     assert windows * our_counts["conditional"] < (
         iterations(plain) * plain_counts["every_step"]
     )
+
+
+def test_windows_carried_over_epochs_count_micro_steps_with_one_scalar(
+        two_replicas):
+    # With flush_each_epoch=False an empty step at the end of the data would
+    # shift every later window; telling it apart takes one scalar reduction
+    # per micro step (the batch sizes), and nothing else per micro step.
+    x, y = regression_data(samples=64)
+    with two_replicas.scope():
+        model = mlp(AccumulatingModel, n_gradients=4, flush_each_epoch=False)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    counts = _collective_reductions(_traced_step(model, two_replicas, x, y), 2)
+    assert counts == {"every_step": 1, "conditional": 2}
