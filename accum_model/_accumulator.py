@@ -42,6 +42,13 @@ class GradientWindow:
         # Which variables received a gradient, learned when the training
         # step is traced; variables without one are never updated.
         self.has_gradient = [False] * len(self.trainable_variables)
+        # Variables Keras overwrites with their "gradient" (float8 amax
+        # histories and scales): the window keeps the largest value of its
+        # micro steps, as Keras's own gradient accumulation does.
+        self.overwrite = [
+            bool(getattr(v, "overwrite_with_gradient", False))
+            for v in self.trainable_variables
+        ]
         with strategy.scope():
             self.gradient_sums = [
                 tf.Variable(
@@ -107,8 +114,17 @@ class GradientWindow:
             used or g is not None
             for used, g in zip(self.has_gradient, gradients)
         ]
-        for gradient_sum, gradient in zip(self.gradient_sums, gradients):
+        for gradient_sum, gradient, overwrite in zip(
+            self.gradient_sums, gradients, self.overwrite
+        ):
             if gradient is None:
+                continue
+            if overwrite:
+                value = tf.cast(gradient, tf.float32)
+                first = tf.equal(self.micro_steps, 0)
+                gradient_sum.assign(
+                    tf.where(first, value, tf.maximum(gradient_sum, value))
+                )
                 continue
             if isinstance(gradient, tf.IndexedSlices) and not isinstance(
                 gradient_sum, tf.distribute.DistributedValues
@@ -154,10 +170,12 @@ class GradientWindow:
         gradient, as Keras's `divide_no_nan` gives the large batch.
         """
         return [
-            tf.cast(tf.math.divide_no_nan(s, total_weight), v.dtype)
-            if used else None
-            for s, v, used in zip(
-                self.gradient_sums, self.trainable_variables, self.has_gradient
+            None if not used
+            else tf.cast(s, v.dtype) if overwrite
+            else tf.cast(tf.math.divide_no_nan(s, total_weight), v.dtype)
+            for s, v, used, overwrite in zip(
+                self.gradient_sums, self.trainable_variables,
+                self.has_gradient, self.overwrite,
             )
         ]
 

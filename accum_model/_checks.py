@@ -116,6 +116,64 @@ def check_keyword_arguments(model_class, kwargs, functional, own_arguments):
     )
 
 
+def check_float8_on_one_replica(model):
+    """Refuses float8 training (`overwrite_with_gradient`) across replicas.
+
+    Those variables take the window's largest value; across replicas that
+    would take a reduction by maximum that the window does not make.
+    """
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    overwritten = [
+        v.path if hasattr(v, "path") else v.name
+        for v in model.trainable_variables
+        if getattr(v, "overwrite_with_gradient", False)
+    ]
+    if replicas > 1 and overwritten:
+        raise ValueError(
+            "AccumulatingModel trains float8 models (variables with "
+            "`overwrite_with_gradient`, from `model.quantize('float8')`) on "
+            "one replica only. Received: "
+            f"{replicas} replicas and variables {overwritten[:3]}"
+        )
+
+
+def warn_if_activity_penalty_is_masked(model_class, model, y_pred):
+    """Warns (once) where one micro-batch weight cannot fit every loss term.
+
+    With a Keras mask on the output, a micro-batch is weighted by its valid
+    elements, right for the masked loss; an activity regularizer adds a
+    per-sample penalty, which the large batch weights by samples.
+    """
+    if model_class in _warned_about_penalty:
+        return
+    base = _accumulating_model_class()
+    if model_class.micro_batch_weight is not base.micro_batch_weight:
+        return
+    masked = any(
+        _keras_private.get_keras_mask(output) is not None
+        for output in tf.nest.flatten(y_pred)
+        if output is not None
+    )
+    regularized = [
+        layer.name for layer in model._flatten_layers()
+        if getattr(layer, "activity_regularizer", None) is not None
+    ]
+    if masked and regularized:
+        _warned_about_penalty.add(model_class)
+        warnings.warn(
+            "The output carries a Keras mask, so each micro-batch is "
+            "weighted by its valid elements, but layers "
+            f"{regularized} add an activity penalty per sample: the window "
+            "then weights that penalty unlike the large batch does. Override "
+            "`micro_batch_weight` (e.g. to return the batch size), or drop "
+            "the activity regularizer, to make the trade-off explicit.",
+            stacklevel=3,
+        )
+
+
+_warned_about_penalty = set()
+
+
 def check_no_foreign_layers(model):
     """Refuses layers of another Keras (e.g. `tf_keras`) inside the model.
 

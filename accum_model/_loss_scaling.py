@@ -50,13 +50,19 @@ class LossScaling:
             return loss
         return loss * tf.cast(self.current_scale(), loss.dtype)
 
-    def unscale_gradients(self, gradients):
+    def unscale_gradients(self, gradients, variables=None):
+        """Divides by the dynamic scale, except where Keras overwrites a
+        variable with its gradient (float8 statistics are not scaled)."""
         if not self.active:
             return gradients
         inverse = 1.0 / self.current_scale()
+        overwrite = [
+            bool(getattr(v, "overwrite_with_gradient", False))
+            for v in (variables or [None] * len(gradients))
+        ]
         return [
-            None if g is None else g * tf.cast(inverse, g.dtype)
-            for g in gradients
+            g if g is None or kept else g * tf.cast(inverse, g.dtype)
+            for g, kept in zip(gradients, overwrite)
         ]
 
     def after_update(self):

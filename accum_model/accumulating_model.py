@@ -179,7 +179,10 @@ class AccumulatingModel(keras.Model):
         Returns:
             The gradients, in the same order.
         """
-        return self._loss_scaling.unscale_gradients(gradients)
+        window = self._gradient_window
+        return self._loss_scaling.unscale_gradients(
+            gradients, window.trainable_variables if window else None
+        )
 
     def micro_batch_weight(self, x, y, y_pred, sample_weight):
         """Returns what Keras divides this micro-batch's loss by.
@@ -222,6 +225,7 @@ class AccumulatingModel(keras.Model):
         _checks.check_strategy(self.distribute_strategy)
         _checks.check_loss_reductions(keras.tree.flatten(self.loss))
         _checks.check_no_foreign_layers(self)
+        _checks.check_float8_on_one_replica(self)
         _checks.warn_if_train_step_bypasses_window(type(self))
         self._weight_from_batch_size = (
             _checks.warn_if_loss_divisor_is_unknown(
@@ -376,6 +380,7 @@ class AccumulatingModel(keras.Model):
         weight = tf.cast(
             self.micro_batch_weight(x, y, y_pred, sample_weight), tf.float32
         )
+        _checks.warn_if_activity_penalty_is_masked(type(self), self, y_pred)
         self._add_micro_step(gradients, weight, weight,
                              _loss_divisor.batch_size(x))
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)

@@ -432,3 +432,28 @@ def test_state_after_the_trainable_weights_error_is_the_open_window():
     model.layers[1].trainable = False
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     model.train_on_batch(x[8:], y[8:])  # the window is empty: accepted
+
+
+def test_activity_penalty_with_a_masked_output_is_warned_about():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 5, 3)).astype("float32")
+    x[:, 3:] = 0.0
+    y = rng.normal(size=(16, 5, 2)).astype("float32")
+    inputs = keras.Input((5, 3))
+    masked = keras.layers.Masking(0.0)(inputs)
+    outputs = keras.layers.Dense(
+        2, activity_regularizer=keras.regularizers.L2(0.1))(masked)
+    model = AccumulatingModel(inputs=inputs, outputs=outputs, n_gradients=2)
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.warns(UserWarning, match="activity penalty.*micro_batch_weight"):
+        model.fit(x, y, batch_size=8, verbose=0)
+
+
+def test_float8_under_two_replicas_is_refused(two_replicas):
+    x, y = regression_data(samples=16)
+    with two_replicas.scope():
+        model = mlp(AccumulatingModel, n_gradients=2)
+        model.quantize("float8")
+        model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="float8.*2 replicas"):
+        model.fit(x, y, batch_size=8, verbose=0)

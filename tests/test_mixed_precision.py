@@ -287,3 +287,56 @@ def test_window_skipped_outside_the_training_step_is_in_the_logs(ending):
     assert iterations(model) == 1
     assert history.history["skipped_windows"] == [1]
     assert logged == {"epoch_end": 1, "train_end": 1}
+
+
+def _float8(model_class, **kwargs):
+    model = mlp(model_class, **kwargs)
+    model.quantize("float8")
+    return model
+
+
+def test_float8_statistics_take_the_windows_largest_value():
+    # float8 amax histories and scales are "overwritten with their
+    # gradient". Forward statistics of the window must be those of the large
+    # batch; all of them take the largest micro-batch value, as Keras's own
+    # `gradient_accumulation_steps` does, and none is averaged.
+    x, y = regression_data(samples=64)
+    large = _float8(keras.Model)
+    large.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    keras_accumulation = _float8(keras.Model)
+    keras_accumulation.compile(
+        optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=4),
+        loss="mse")
+    model = _float8(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    keras_accumulation.set_weights(large.get_weights())
+    model.set_weights(large.get_weights())
+    large.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    keras_accumulation.fit(x, y, batch_size=8, epochs=1, shuffle=False,
+                           verbose=0)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    statistics = [v.path for v in model.trainable_variables
+                  if getattr(v, "overwrite_with_gradient", False)]
+    assert statistics
+    for ours, theirs in zip(model.trainable_variables,
+                            large.trainable_variables):
+        if "amax_history" in ours.path and "grad" not in ours.path:
+            np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+    for ours, theirs in zip(model.trainable_variables,
+                            keras_accumulation.trainable_variables):
+        np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-5,
+                                   atol=1e-6)
+
+
+def test_float8_under_mixed_float16_is_never_scaled():
+    x, y = regression_data(samples=160)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = _float8(AccumulatingModel, n_gradients=4)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        model.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert model.skipped_windows == 0
+    assert iterations(model) == 20
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
