@@ -48,7 +48,7 @@ def check_optimizer_does_not_accumulate(optimizer):
             )
 
 
-MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight", "sum")
 
 
 def check_loss_reductions(losses):
@@ -59,11 +59,11 @@ def check_loss_reductions(losses):
     """
     for loss in losses:
         reduction = getattr(loss, "reduction", "sum_over_batch_size")
-        if reduction not in MEAN_REDUCTIONS:
+        if reduction not in REDUCTIONS:
             raise ValueError(
-                "AccumulatingModel supports losses that average over the "
-                f"batch (reduction in {MEAN_REDUCTIONS}), so that a window "
-                "can be weighted like one large batch. Received: "
+                "AccumulatingModel needs losses that Keras reduces to one "
+                f"number per batch (reduction in {REDUCTIONS}), so that a "
+                "window can equal one large batch. Received: "
                 f"reduction={reduction!r} on loss "
                 f"{getattr(loss, 'name', loss)!r}"
             )

@@ -21,6 +21,8 @@ __all__ = [
     "Functional",
     "compute_loss",
     "losses_not_divided_by_replicas",
+    "merged_sample_weight",
+    "recording_loss_reductions",
     "clones_through_constructor",
     "model_keyword_arguments",
     "names_used_by_overrides",
@@ -271,3 +273,54 @@ def losses_not_divided_by_replicas():
 
 def _identity(value):
     return value
+
+
+@contextlib.contextmanager
+def recording_loss_reductions():
+    """Records how Keras reduces each loss computed inside the context.
+
+    Wraps `keras.src.losses.loss.reduce_weighted_values`, the one place
+    where a `keras.losses.Loss` (built-in, subclassed, or a plain function
+    Keras wraps) reduces its per-element values, with the mask made by the
+    loss itself (`ignore_class`) already merged with the prediction's. The
+    returned list receives one `_loss_divisor.Reduction` per loss term.
+    Checked on keras 3.15.1.
+    """
+    from accum_model import _loss_divisor
+
+    records = []
+    original = keras_loss_module.reduce_weighted_values
+
+    def recording(values, sample_weight=None, mask=None,
+                  reduction="sum_over_batch_size", dtype=None):
+        loss = original(values, sample_weight=sample_weight, mask=mask,
+                        reduction=reduction, dtype=dtype)
+        records.append(_loss_divisor.reduction_of(
+            values, sample_weight, mask, reduction))
+        return loss
+
+    keras_loss_module.reduce_weighted_values = recording
+    try:
+        yield records
+    finally:
+        keras_loss_module.reduce_weighted_values = original
+
+
+def merged_sample_weight(values, sample_weight, mask, reduction):
+    """Sample weights with the mask merged in, as Keras divides by them.
+
+    Uses Keras's own `apply_mask` and `squeeze_or_expand_to_same_rank`
+    (keras.src.losses.loss), so "mean_with_sample_weight" divides by what
+    Keras divides by.
+    """
+    values = tf.convert_to_tensor(values)
+    weights = keras_loss_module.apply_mask(
+        sample_weight, mask, dtype=values.dtype, reduction=reduction
+    )
+    if weights is None:
+        return tf.ones_like(values)
+    weights = tf.cast(weights, values.dtype)
+    _, weights = keras_loss_module.squeeze_or_expand_to_same_rank(
+        values, weights
+    )
+    return tf.cast(weights, tf.float32)

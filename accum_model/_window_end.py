@@ -33,6 +33,8 @@ class WindowEnd:
         self.strategy = strategy
         self.reduce_before_clipping = reduce_before_clipping
         self.run_eagerly = run_eagerly
+        # False for losses reduced with "sum": the window is their sum.
+        self.divide_by_weight = True
         self._apply_open_functions = {}
 
     def end_if(self, should_end):
@@ -53,6 +55,8 @@ class WindowEnd:
             )
         )
         total_weight, total_samples = totals[0], totals[1]
+        if not self.divide_by_weight:
+            total_weight = tf.constant(1.0)
         num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
         finite = tf.equal(totals[2], float(num_replicas))
 

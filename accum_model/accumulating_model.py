@@ -189,12 +189,16 @@ class AccumulatingModel(keras.Model):
 
         The window gradient is the mean of the micro-batch gradients weighted
         by this number, which makes it the large batch's gradient. The
-        default is the number of loss elements: samples, or time steps times
-        samples for sequence outputs, or the valid elements when the output
-        carries a Keras mask. When `compute_loss` is overridden, the default
-        is the number of samples (exact for a loss that is a mean of
-        per-sample losses) and a warning says so once. Override this method
-        for a loss that divides by something else.
+        default is what Keras divided the compiled loss by in this micro
+        step: the number of loss elements, or of valid elements under a
+        Keras mask or a mask the loss makes itself (`ignore_class`), or the
+        sum of the sample weights with "mean_with_sample_weight"; a loss
+        reduced with "sum" is summed over the window. With several outputs
+        the first output's divisor serves, and a warning says so once when
+        the outputs' divisors may not keep one ratio. When `compute_loss` is
+        overridden, the default is the number of samples (exact for a loss
+        that is a mean of per-sample losses), with a one-time warning.
+        Override this method for a loss that divides by something else.
 
         Args:
             x: Micro-batch inputs.
@@ -208,7 +212,15 @@ class AccumulatingModel(keras.Model):
         del y, sample_weight
         if self._weight_from_batch_size:
             return tf.cast(_loss_divisor.batch_size(x), tf.float32)
-        return _loss_divisor.loss_divisor(x, y_pred)
+        weight = _loss_divisor.micro_batch_weight(
+            getattr(self, "_traced_loss_reductions", []), x, y_pred,
+            type(self).__name__, has_other_losses=bool(self.losses),
+        )
+        # A loss reduced with "sum" is not divided: neither is its window.
+        self._window_end.divide_by_weight = weight is not _loss_divisor.SUM
+        if weight is _loss_divisor.SUM:
+            return tf.constant(1.0)
+        return weight
 
     # Training --------------------------------------------------------------
 
@@ -365,8 +377,10 @@ class AccumulatingModel(keras.Model):
             y_pred = self(x, training=True)
             # This replica's own mean loss, never divided by the replicas:
             # the window end divides by the whole window's weight instead.
-            with _keras_private.losses_not_divided_by_replicas():
+            with _keras_private.losses_not_divided_by_replicas(), \
+                    _keras_private.recording_loss_reductions() as reductions:
                 loss = self._micro_batch_loss(x, y, y_pred, sample_weight)
+            self._traced_loss_reductions = reductions
             scaled_loss = self.get_scaled_loss(loss)
         self._ensure_training_state()
         window = self._gradient_window

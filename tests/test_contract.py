@@ -92,13 +92,13 @@ def test_optimizer_swapped_after_compile_is_checked_too():
                for a, b in zip(weights, model.get_weights())) == 0.0
 
 
-def test_loss_with_sum_reduction_is_refused():
+def test_loss_without_reduction_is_refused():
     model = mlp(AccumulatingModel, n_gradients=2)
     model.compile(
-        optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="sum")
+        optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="none")
     )
     x, y = regression_data(samples=16)
-    with pytest.raises(ValueError, match="reduction='sum'"):
+    with pytest.raises(ValueError, match="reduction='none'"):
         model.fit(x, y, batch_size=8, verbose=0)
 
 

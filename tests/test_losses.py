@@ -1,0 +1,143 @@
+"""Every loss Keras ships, every reduction, masks however made: exact.
+
+Windows mix micro-batches whose divisors differ a lot (short and long
+sequences, many and few ignored tokens), where weighting them equally or by
+sample count would be visibly wrong.
+"""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from accum_model import AccumulatingModel
+from helpers import iterations
+from helpers import max_weight_difference
+from helpers import mlp
+from helpers import regression_data
+
+TOLERANCE = 1e-5
+VOCABULARY = 7
+
+
+def _token_data(samples=64, steps=10, seed=0):
+    """Token sequences padded with 0; lengths alternate short and long."""
+    rng = np.random.default_rng(seed)
+    lengths = np.where(np.arange(samples) % 16 < 8, 2, steps)
+    x = rng.normal(size=(samples, steps, 3)).astype("float32")
+    y = rng.integers(1, VOCABULARY, size=(samples, steps)).astype("int32")
+    for row, length in enumerate(lengths):
+        x[row, length:] = 0.0
+        y[row, length:] = 0
+    return x, y
+
+
+def _tagger(model_class, masking=False, **kwargs):
+    keras.utils.set_random_seed(8)
+    inputs = keras.Input((None, 3))
+    hidden = keras.layers.Masking(0.0)(inputs) if masking else inputs
+    hidden = keras.layers.Dense(8, activation="tanh")(hidden)
+    outputs = keras.layers.Dense(VOCABULARY)(hidden)
+    return model_class(inputs=inputs, outputs=outputs, **kwargs)
+
+
+def _fit_both(build, loss, x, y, strategy=None, sample_weight=None,
+              make_optimizer=lambda: keras.optimizers.Adam(0.01), epochs=2):
+    plain = build(keras.Model)
+    plain.compile(optimizer=make_optimizer(), loss=loss)
+    plain.fit(x, y, sample_weight=sample_weight, batch_size=32,
+              epochs=epochs, shuffle=False, verbose=0)
+    scope = strategy.scope() if strategy else tf.name_scope("one_device")
+    with scope:
+        model = build(AccumulatingModel, n_gradients=4)
+        model.compile(optimizer=make_optimizer(), loss=loss)
+    model.set_weights(build(keras.Model).get_weights())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model.fit(x, y, sample_weight=sample_weight, batch_size=8,
+                  epochs=epochs, shuffle=False, verbose=0)
+    return plain, model
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("masking", [False, True])
+def test_ignore_class_matches_large_batch(replicas, masking, two_replicas):
+    # Keras divides by the tokens not ignored (and, with a Keras mask too,
+    # by those valid under both): 2 per sequence in half the micro-batches,
+    # 10 in the others.
+    x, y = _token_data()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                      ignore_class=0)
+    plain, model = _fit_both(
+        lambda c, **k: _tagger(c, masking=masking, **k), loss, x, y,
+        strategy=two_replicas if replicas == 2 else None)
+    assert iterations(model) == iterations(plain) == 4
+    assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean_with_sample_weight",
+                                       "sum_over_batch_size"])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_every_reduction_matches_large_batch(reduction, replicas,
+                                             two_replicas):
+    x, y = regression_data(samples=100)
+    weights = np.where(np.arange(100) % 16 < 8, 0.1, 3.0).astype("float32")
+    loss = keras.losses.MeanSquaredError(reduction=reduction)
+    plain, model = _fit_both(
+        mlp, loss, x, y, sample_weight=weights,
+        strategy=two_replicas if replicas == 2 else None,
+        make_optimizer=lambda: keras.optimizers.SGD(
+            0.001 if reduction == "sum" else 0.1))
+    assert iterations(model) == iterations(plain) == 8
+    assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+def _per_element_squared_error(y_true, y_pred):
+    return keras.ops.mean(keras.ops.square(y_true - y_pred), axis=-1)
+
+
+class _SquaredError(keras.losses.Loss):
+    def call(self, y_true, y_pred):
+        return keras.ops.mean(keras.ops.square(y_true - y_pred), axis=-1)
+
+
+@pytest.mark.parametrize("loss", [_per_element_squared_error,
+                                  _SquaredError()])
+def test_functions_and_loss_subclasses_match_large_batch(loss):
+    x, y = regression_data(samples=100)
+    plain, model = _fit_both(mlp, loss, x, y)
+    assert iterations(model) == iterations(plain) == 8
+    assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+def _two_outputs(model_class, **kwargs):
+    keras.utils.set_random_seed(9)
+    inputs = keras.Input((None, 3))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    tags = keras.layers.Dense(VOCABULARY, name="tags")(hidden)
+    pooled = keras.layers.GlobalAveragePooling1D()(hidden)
+    score = keras.layers.Dense(1, name="score")(pooled)
+    return model_class(inputs=inputs, outputs={"tags": tags, "score": score},
+                       **kwargs)
+
+
+def test_outputs_with_proportional_divisors_are_exact():
+    x, y = _token_data()
+    targets = {"tags": y, "score": x[:, :1, 0]}
+    loss = {"tags": keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), "score": "mse"}
+    plain, model = _fit_both(_two_outputs, loss, x, targets)
+    assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+def test_outputs_whose_divisors_differ_are_warned_about():
+    x, y = _token_data()
+    targets = {"tags": y, "score": x[:, :1, 0]}
+    loss = {"tags": keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, ignore_class=0), "score": "mse"}
+    model = _two_outputs(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer="sgd", loss=loss)
+    with pytest.warns(UserWarning, match="micro_batch_weight"):
+        model.fit(x, targets, batch_size=8, epochs=1, verbose=0)
