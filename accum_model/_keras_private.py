@@ -83,8 +83,10 @@ def symbolic_build_from_local_batch(model, iterator):
     local batch serves. Calls the private `Trainer._symbolic_build`.
     """
     strategy = model.distribute_strategy
-    for _, _, batches in iterator:
-        batch = next(batches)
+    for step in _epoch_steps(iterator):
+        # The data iterator comes last: (begin, end, iterator) in keras
+        # 3.11+, (step, iterator) before.
+        batch = next(step[-1])
         break
     else:
         return
@@ -96,6 +98,14 @@ def symbolic_build_from_local_batch(model, iterator):
 
     with strategy.scope():
         model._symbolic_build(data_batch=tree.map_structure(local, batch))
+
+
+def _epoch_steps(epoch_iterator):
+    """Steps of a Keras `EpochIterator`: iterable from keras 3.8 on, through
+    `enumerate_epoch()` before."""
+    if hasattr(epoch_iterator, "__iter__"):
+        return iter(epoch_iterator)
+    return epoch_iterator.enumerate_epoch()
 
 
 def logs_for_reduction(logs, strategy):

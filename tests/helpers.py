@@ -43,12 +43,19 @@ def max_weight_difference(model_a, model_b):
 
 
 def iterations(model):
-    return int(np.asarray(model.optimizer.iterations.numpy()))
+    """Updates applied: the inner optimizer's count under loss scaling.
+
+    Before keras 3.9, `LossScaleOptimizer.iterations` is a counter of its
+    own that Keras never advances; the inner optimizer's is the real one.
+    """
+    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+    return int(np.asarray(optimizer.iterations.numpy()))
 
 
 def fit_both(build, make_optimizer, x, y, micro_batch, n_gradients,
              epochs=2, compile_kwargs=None, fit_kwargs=None,
-             large_fit_kwargs=None, strategy=None, loss="mse"):
+             large_fit_kwargs=None, strategy=None, loss="mse",
+             plain_compile_kwargs=None):
     """Trains plain Keras on batches of n*b and an AccumulatingModel on b.
 
     Both start from the same weights; returns (plain, accumulating).
@@ -56,7 +63,9 @@ def fit_both(build, make_optimizer, x, y, micro_batch, n_gradients,
     compile_kwargs = compile_kwargs or {}
     fit_kwargs = fit_kwargs or {}
     plain = build(keras.Model)
-    plain.compile(optimizer=make_optimizer(), loss=loss, **compile_kwargs)
+    plain.compile(optimizer=make_optimizer(), loss=loss,
+                  **(compile_kwargs if plain_compile_kwargs is None
+                     else plain_compile_kwargs))
     plain.fit(x, y, batch_size=micro_batch * n_gradients, epochs=epochs,
               shuffle=False, verbose=0, **(large_fit_kwargs or fit_kwargs))
     if strategy is None:

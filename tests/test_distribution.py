@@ -126,7 +126,12 @@ def test_datasets_from_a_function_match_one_device(two_replicas,
                     flush_each_epoch=flush_each_epoch)
         model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
     data = two_replicas.distribute_datasets_from_function(dataset_fn)
-    model.fit(data, epochs=epochs, verbose=0)
+    try:
+        model.fit(data, epochs=epochs, verbose=0)
+    except ValueError as error:
+        if "Unrecognized data type" not in str(error):
+            raise
+        pytest.skip("this Keras's fit() does not take distributed datasets")
     assert all(np.all(np.isfinite(w)) for w in model.get_weights())
     assert iterations(model) == len(windows)
     assert max_weight_difference(plain, model) <= TOLERANCE
@@ -173,7 +178,12 @@ def test_losses_keras_leaves_undivided_match_one_device(two_replicas, shape):
                         verbose=0)
     assert iterations(model) == iterations(plain) == 6
     assert max_weight_difference(plain, model) <= TOLERANCE
-    # The reported loss is one device's too, not twice it.
+    # The reported loss is one device's too, not twice it. Before keras 3.8
+    # Keras's logs under replicas are not one device's, for its own step
+    # too (plain keras 3.6, same weights, learning rate 0: 0.9007 under two
+    # replicas, 0.8829 on one device), so this is not checked there.
+    if not hasattr(keras.src.losses.loss, "scale_loss_for_distribution"):
+        return
     one_device = make(AccumulatingModel, n_gradients=4)
     one_device.compile(optimizer=OPTIMIZERS["sgd"](), loss=loss)
     one_device.set_weights(make(keras.Model).get_weights())

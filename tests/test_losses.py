@@ -84,7 +84,10 @@ def test_every_reduction_matches_large_batch(reduction, replicas,
                                              two_replicas):
     x, y = regression_data(samples=100)
     weights = np.where(np.arange(100) % 16 < 8, 0.1, 3.0).astype("float32")
-    loss = keras.losses.MeanSquaredError(reduction=reduction)
+    try:
+        loss = keras.losses.MeanSquaredError(reduction=reduction)
+    except ValueError:
+        pytest.skip(f"this Keras has no reduction={reduction!r}")
     plain, model = _fit_both(
         mlp, loss, x, y, sample_weight=weights,
         strategy=two_replicas if replicas == 2 else None,
