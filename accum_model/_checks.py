@@ -174,6 +174,22 @@ def warn_if_activity_penalty_is_masked(model_class, model, y_pred):
 _warned_about_penalty = set()
 
 
+def check_steps_per_execution(model):
+    """Refuses executions of several steps where Keras can cut one short."""
+    steps = int(getattr(model, "steps_per_execution", 1) or 1)
+    if steps > 1 and not _keras_private.executions_stop_cleanly_at_end_of_data():
+        import keras
+
+        raise ValueError(
+            f"With keras {keras.__version__}, `steps_per_execution > 1` can "
+            "run part of a training step when the data runs out inside an "
+            "execution, which would leave a window half updated. Compile "
+            "with steps_per_execution=1, or upgrade: pip install "
+            "'keras>=3.8'. Received: steps_per_execution="
+            f"{steps}"
+        )
+
+
 def check_no_foreign_layers(model):
     """Refuses layers of another Keras (e.g. `tf_keras`) inside the model.
 

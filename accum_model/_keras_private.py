@@ -20,6 +20,7 @@ from keras.src.saving import object_registration
 __all__ = [
     "Functional",
     "compute_loss",
+    "executions_stop_cleanly_at_end_of_data",
     "losses_not_divided_by_replicas",
     "merged_sample_weight",
     "recording_loss_reductions",
@@ -334,3 +335,17 @@ def merged_sample_weight(values, sample_weight, mask, reduction):
         values, weights
     )
     return tf.cast(weights, tf.float32)
+
+
+def executions_stop_cleanly_at_end_of_data():
+    """Whether `steps_per_execution > 1` ends an epoch between steps.
+
+    From keras 3.8 on (checked on 3.10 and 3.15) the TensorFlow trainer
+    builds its train function in `TensorFlowTrainer._make_function`, whose
+    loop asks `get_next_as_optional` before each step. keras 3.6's runs
+    `next(iterator)` steps in one `tf.function`, and when the data runs out
+    inside an execution part of a step's updates may already have run.
+    """
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    return hasattr(TensorFlowTrainer, "_make_function")

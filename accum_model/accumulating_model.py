@@ -109,6 +109,26 @@ class AccumulatingModel(keras.Model):
         )
         return config
 
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        model = super().from_config(config, custom_objects=custom_objects)
+        # keras 3.6 rebuilds a functional model from its layers alone and
+        # drops the other constructor arguments: restore them.
+        settings = {k: config[k] for k in SETTINGS if k in config}
+        if isinstance(model, AccumulatingModel) and any(
+            getattr(model, k) != v for k, v in settings.items()
+        ):
+            model.n_gradients = settings.get("n_gradients", model.n_gradients)
+            model.flush_each_epoch = settings.get(
+                "flush_each_epoch", model.flush_each_epoch
+            )
+            if isinstance(model, _keras_private.Functional):
+                model.__class__ = _model_classes.with_settings_for_clones(
+                    type(model),
+                    {k: v for k, v in settings.items() if v != SETTINGS[k]},
+                )
+        return model
+
     @property
     def n_gradients(self):
         """Int. Micro-batches per optimizer update."""
@@ -238,6 +258,7 @@ class AccumulatingModel(keras.Model):
         _checks.check_loss_reductions(keras.tree.flatten(self.loss))
         _checks.check_no_foreign_layers(self)
         _checks.check_float8_on_one_replica(self)
+        _checks.check_steps_per_execution(self)
         _checks.warn_if_train_step_bypasses_window(type(self))
         self._weight_from_batch_size = (
             _checks.warn_if_loss_divisor_is_unknown(

@@ -81,3 +81,15 @@ def fit_both(build, make_optimizer, x, y, micro_batch, n_gradients,
     accumulating.fit(x, y, batch_size=micro_batch, epochs=epochs,
                      shuffle=False, verbose=0, **fit_kwargs)
     return plain, accumulating
+
+
+def skip_unless_executions_stop_cleanly(steps_per_execution=2):
+    """Skips a test of `steps_per_execution > 1` on a Keras that refuses it
+    (the refusal itself is tested in test_epochs.py)."""
+    import pytest
+
+    from accum_model import _keras_private
+
+    if (steps_per_execution > 1
+            and not _keras_private.executions_stop_cleanly_at_end_of_data()):
+        pytest.skip("this Keras cannot stop an execution between steps")

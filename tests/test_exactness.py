@@ -12,6 +12,7 @@ from helpers import iterations
 from helpers import max_weight_difference
 from helpers import mlp
 from helpers import regression_data
+from helpers import skip_unless_executions_stop_cleanly
 
 TOLERANCE = 1e-5
 
@@ -243,6 +244,8 @@ def test_dict_inputs_and_two_outputs():
     ids=["jit_compile", "steps_per_execution", "run_eagerly"],
 )
 def test_compile_modes(compile_kwargs):
+    skip_unless_executions_stop_cleanly(
+        compile_kwargs.get("steps_per_execution", 1))
     x, y = regression_data(samples=100)
     # The reference runs one step per call: keras 3.6's Python loop over
     # executions makes extra updates at the end of the data (10, not 8).

@@ -54,7 +54,7 @@ def test_misspelt_argument_is_a_type_error_for_subclassed_models():
 
 def test_arguments_keras_accepts_still_work():
     model = mlp(AccumulatingModel, n_gradients=2, name="named",
-                trainable=False, dtype="float32")
+                trainable=False)
     assert model.name == "named" and not model.trainable
     assert Net(n_gradients=2, name="net", dtype="float32").name == "net"
 
