@@ -46,8 +46,7 @@ class GradientWindow:
         # histories and scales): the window keeps the largest value of its
         # micro steps, as Keras's own gradient accumulation does.
         self.overwrite = [
-            bool(getattr(v, "overwrite_with_gradient", False))
-            for v in self.trainable_variables
+            is_overwritten_with_gradient(v) for v in self.trainable_variables
         ]
         with strategy.scope():
             self.gradient_sums = [
@@ -95,14 +94,13 @@ class GradientWindow:
         """Bytes held by one replica's accumulators."""
         return sum(4 * int(s.shape.num_elements()) for s in self.gradient_sums)
 
-    def add(self, gradients, weight, gradient_scale, samples, counts):
+    def add(self, gradients, weight, samples, counts):
         """Adds a micro step to the window (replica context).
 
         Args:
             gradients: List of gradients (or None), one per variable.
-            weight: Float32 scalar, the micro-batch's share of the window.
-            gradient_scale: Float32 scalar the gradients are multiplied by
-                before they are added, with `weight` folded in.
+            weight: Float32 scalar, the micro-batch's share of the window:
+                its gradients are added multiplied by it.
             samples: Float32 scalar, this replica's samples in the step.
             counts: Bool scalar, whether the step counts as a micro step
                 (the micro-batch has data on some replica). Equal on all
@@ -135,14 +133,14 @@ class GradientWindow:
                 # rows are summed into a dense tensor first.)
                 gradient_sum.scatter_add(
                     tf.IndexedSlices(
-                        tf.cast(gradient.values, tf.float32) * gradient_scale,
+                        tf.cast(gradient.values, tf.float32) * weight,
                         gradient.indices,
                         gradient.dense_shape,
                     )
                 )
                 continue
             gradient_sum.assign_add(
-                tf.cast(gradient, tf.float32) * gradient_scale
+                tf.cast(gradient, tf.float32) * weight
             )
         self.weight_sum.assign_add(weight)
         self.sample_sum.assign_add(samples)
@@ -190,6 +188,11 @@ class GradientWindow:
             # Eager steps report gradients one micro step at a time; a trace
             # has already seen every variable that can receive one.
             self.has_gradient = [False] * len(self.has_gradient)
+
+
+def is_overwritten_with_gradient(variable):
+    """Whether Keras assigns this variable its "gradient" (float8 stats)."""
+    return bool(getattr(variable, "overwrite_with_gradient", False))
 
 
 def _short_name(variable):

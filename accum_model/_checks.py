@@ -7,6 +7,7 @@ import warnings
 import tensorflow as tf
 
 from accum_model import _keras_private
+from accum_model._accumulator import is_overwritten_with_gradient
 
 
 def check_n_gradients(n_gradients):
@@ -126,7 +127,7 @@ def check_float8_on_one_replica(model):
     overwritten = [
         v.path if hasattr(v, "path") else v.name
         for v in model.trainable_variables
-        if getattr(v, "overwrite_with_gradient", False)
+        if is_overwritten_with_gradient(v)
     ]
     if replicas > 1 and overwritten:
         raise ValueError(
@@ -144,8 +145,6 @@ def warn_if_activity_penalty_is_masked(model_class, model, y_pred):
     elements, right for the masked loss; an activity regularizer adds a
     per-sample penalty, which the large batch weights by samples.
     """
-    if model_class in _warned_about_penalty:
-        return
     base = _accumulating_model_class()
     if model_class.micro_batch_weight is not base.micro_batch_weight:
         return
@@ -159,19 +158,15 @@ def warn_if_activity_penalty_is_masked(model_class, model, y_pred):
         if getattr(layer, "activity_regularizer", None) is not None
     ]
     if masked and regularized:
-        _warned_about_penalty.add(model_class)
-        warnings.warn(
+        warn_once(
+            model_class,
             "The output carries a Keras mask, so each micro-batch is "
             "weighted by its valid elements, but layers "
             f"{regularized} add an activity penalty per sample: the window "
             "then weights that penalty unlike the large batch does. Override "
             "`micro_batch_weight` (e.g. to return the batch size), or drop "
             "the activity regularizer, to make the trade-off explicit.",
-            stacklevel=3,
         )
-
-
-_warned_about_penalty = set()
 
 
 def check_steps_per_execution(model):
@@ -252,30 +247,36 @@ def warn_if_loss_divisor_is_unknown(model_class):
     `micro_batch_weight` is not: what that loss divides by is unknown.
     """
     base = _accumulating_model_class()
-    overrides_loss = _keras_private.names_used_by_overrides(
-        model_class, "compute_loss", stop_at=None
-    ) is not None
+    overrides_loss = bool(
+        _keras_private.overriding_classes(model_class, "compute_loss")
+    )
     overrides_weight = model_class.micro_batch_weight is not (
         base.micro_batch_weight
     )
     if not overrides_loss or overrides_weight:
         return False
-    if model_class not in _warned_about_weight:
-        _warned_about_weight.add(model_class)
-        warnings.warn(
-            f"{model_class.__name__} overrides `compute_loss`, so accum_model "
-            "cannot tell what it divides a micro-batch's loss by, and weights "
-            "each micro-batch by its number of samples. That is exact for a "
-            "loss that is a mean over samples; for any other (e.g. a mean "
-            "over tokens or valid time steps) override "
-            "`micro_batch_weight(x, y, y_pred, sample_weight)` to return what "
-            "the loss divides by.",
-            stacklevel=3,
-        )
+    warn_once(
+        model_class,
+        f"{model_class.__name__} overrides `compute_loss`, so accum_model "
+        "cannot tell what it divides a micro-batch's loss by, and weights "
+        "each micro-batch by its number of samples. That is exact for a "
+        "loss that is a mean over samples; for any other (e.g. a mean "
+        "over tokens or valid time steps) override "
+        "`micro_batch_weight(x, y, y_pred, sample_weight)` to return what "
+        "the loss divides by.",
+    )
     return True
 
 
-_warned_about_weight = set()
+_warned = set()
+
+
+def warn_once(key, message):
+    """Warns with `message` the first time it is given for `key`."""
+    if (key, message) in _warned:
+        return
+    _warned.add((key, message))
+    warnings.warn(message, stacklevel=4)
 
 
 def _accumulating_model_class():

@@ -235,14 +235,12 @@ def names_used_by_overrides(model_class, method_name, stop_at):
     and collects the names each override's code refers to, nested functions
     included. Returns None when no class overrides the method.
     """
-    names = None
-    for cls in model_class.__mro__:
-        if cls is stop_at or _is_keras_class(cls):
-            break
-        method = cls.__dict__.get(method_name)
-        if method is None:
-            continue
-        names = names or set()
+    overriding = overriding_classes(model_class, method_name, stop_at=stop_at)
+    if not overriding:
+        return None
+    names = set()
+    for cls in overriding:
+        method = cls.__dict__[method_name]
         code = getattr(inspect.unwrap(method), "__code__", None)
         codes = [code] if code is not None else []
         while codes:

@@ -7,11 +7,10 @@ Keras mask on the prediction, the mask a loss makes itself (such as
 `ignore_class`), and the sample weights.
 """
 
-import warnings
-
 import tensorflow as tf
 from keras import tree
 
+from accum_model import _checks
 from accum_model import _keras_private
 
 # A loss reduced with "sum" is divided by nothing: its window is the sum.
@@ -133,11 +132,5 @@ def fallback_divisor(x, y_pred):
     return tf.cast(tf.reduce_prod(shape[:-1]), tf.float32)
 
 
-_warned = set()
-
-
 def _warn_once(model_name, message):
-    if (model_name, message) in _warned:
-        return
-    _warned.add((model_name, message))
-    warnings.warn(f"{model_name}: {message}", stacklevel=4)
+    _checks.warn_once(model_name, f"{model_name}: {message}")

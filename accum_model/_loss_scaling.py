@@ -12,6 +12,8 @@ would after one step on the large batch.
 import tensorflow as tf
 from keras import optimizers
 
+from accum_model._accumulator import is_overwritten_with_gradient
+
 
 class LossScaling:
     """Loss-scaling duties for the optimizer a model was compiled with.
@@ -57,7 +59,7 @@ class LossScaling:
             return gradients
         inverse = 1.0 / self.current_scale()
         overwrite = [
-            bool(getattr(v, "overwrite_with_gradient", False))
+            is_overwritten_with_gradient(v)
             for v in (variables or [None] * len(gradients))
         ]
         return [

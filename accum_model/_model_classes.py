@@ -59,7 +59,7 @@ def instance_class(cls):
         return cls
     routed = _routed_classes.get(cls)
     if routed is None:
-        routed = _subclass(cls, _FunctionalRouter)
+        routed = _subclass(cls, (cls, _FunctionalRouter))
         _routed_classes[cls] = routed
     return routed
 
@@ -69,7 +69,7 @@ def functional_variant(cls):
     cls = requested_class(cls)
     variant = _functional_variants.get(cls)
     if variant is None:
-        variant = _subclass(cls, _keras_private.Functional)
+        variant = _subclass(cls, (cls, _keras_private.Functional))
         _functional_variants[cls] = variant
     return variant
 
@@ -96,7 +96,7 @@ def with_settings_for_clones(cls, settings):
                 kwargs.setdefault(name, value)
             super(bound, self).__init__(*args, **kwargs)
 
-        bound = _subclass(cls, namespace={"__init__": __init__})
+        bound = _subclass(cls, (cls,), namespace={"__init__": __init__})
         _settings_bound_variants[key] = bound
     return bound
 
@@ -111,35 +111,30 @@ def accumulating_class(cls):
 
     accumulating = _accumulating_classes.get(cls)
     if accumulating is None:
-        accumulating = type(
-            cls.__name__,
-            (AccumulatingModel, cls),
-            {
-                "__module__": cls.__module__,
-                "__qualname__": cls.__qualname__,
-                "__doc__": cls.__doc__,
-            },
+        # Not marked generated: it is the class the user's model now has.
+        accumulating = _subclass(
+            cls, (AccumulatingModel, cls), generated=False,
+            serialized_as=(AccumulatingModel
+                           if cls is _keras_private.Functional else cls),
         )
-        if cls is _keras_private.Functional:
-            _keras_private.serialize_as(accumulating, AccumulatingModel)
         _accumulating_classes[cls] = accumulating
     return accumulating
 
 
-def _subclass(cls, extra_base=None, namespace=None):
-    bases = (cls,) if extra_base is None else (cls, extra_base)
+def _subclass(like, bases, namespace=None, generated=True, serialized_as=None):
+    """A class named like `like`, serialized under `serialized_as`'s name."""
     subclass = type(
-        cls.__name__,
+        like.__name__,
         bases,
         {
-            "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__,
-            "__doc__": cls.__doc__,
-            "_accum_model_generated": True,
+            "__module__": like.__module__,
+            "__qualname__": like.__qualname__,
+            "__doc__": like.__doc__,
+            "_accum_model_generated": generated,
             **(namespace or {}),
         },
     )
-    _keras_private.serialize_as(subclass, cls)
+    _keras_private.serialize_as(subclass, serialized_as or like)
     return subclass
 
 

@@ -77,15 +77,7 @@ class AccumulatingModel(keras.Model):
         )
         super().__init__(*args, **kwargs)
         self._init_accumulation(n_gradients, flush_each_epoch)
-        settings = {
-            "n_gradients": n_gradients,
-            "flush_each_epoch": flush_each_epoch,
-        }
-        if isinstance(self, _keras_private.Functional):
-            self.__class__ = _model_classes.with_settings_for_clones(
-                type(self),
-                {k: v for k, v in settings.items() if v != SETTINGS[k]},
-            )
+        self._keep_settings_in_clones()
 
     def _init_accumulation(self, n_gradients, flush_each_epoch):
         """Sets the state of accumulation; also used by `accumulating`."""
@@ -122,12 +114,20 @@ class AccumulatingModel(keras.Model):
             model.flush_each_epoch = settings.get(
                 "flush_each_epoch", model.flush_each_epoch
             )
-            if isinstance(model, _keras_private.Functional):
-                model.__class__ = _model_classes.with_settings_for_clones(
-                    type(model),
-                    {k: v for k, v in settings.items() if v != SETTINGS[k]},
-                )
+            model._keep_settings_in_clones()
         return model
+
+    def _keep_settings_in_clones(self):
+        """Gives a functional instance the class `clone_model` needs."""
+        if not isinstance(self, _keras_private.Functional):
+            return
+        settings = {
+            "n_gradients": self.n_gradients,
+            "flush_each_epoch": self.flush_each_epoch,
+        }
+        self.__class__ = _model_classes.with_settings_for_clones(
+            type(self), {k: v for k, v in settings.items() if v != SETTINGS[k]}
+        )
 
     @property
     def n_gradients(self):
@@ -400,14 +400,17 @@ class AccumulatingModel(keras.Model):
             # the window end divides by the whole window's weight instead.
             with _keras_private.losses_not_divided_by_replicas(), \
                     _keras_private.recording_loss_reductions() as reductions:
-                loss = self._micro_batch_loss(x, y, y_pred, sample_weight)
+                loss = _keras_private.compute_loss(
+                    self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight
+                )
             self._traced_loss_reductions = reductions
             scaled_loss = self.get_scaled_loss(loss)
         self._ensure_training_state()
         window = self._gradient_window
         gradients = tape.gradient(scaled_loss, window.trainable_variables)
         gradients = self.get_unscaled_gradients(gradients)
-        _keras_private.track_loss(self, loss, _loss_divisor.batch_size(x))
+        batch_size = _loss_divisor.batch_size(x)
+        _keras_private.track_loss(self, loss, batch_size)
 
         # The loss is a mean over `weight` elements; multiplying it back
         # gives the gradient of the summed loss, which the window end
@@ -416,8 +419,7 @@ class AccumulatingModel(keras.Model):
             self.micro_batch_weight(x, y, y_pred, sample_weight), tf.float32
         )
         _checks.warn_if_activity_penalty_is_masked(type(self), self, y_pred)
-        self._add_micro_step(gradients, weight, weight,
-                             _loss_divisor.batch_size(x))
+        self._add_micro_step(gradients, weight, batch_size)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         if self._loss_scaling.active:
             # An overflow must never pass silently: show the count.
@@ -451,9 +453,9 @@ class AccumulatingModel(keras.Model):
         weight = tf.cast(weight, tf.float32)
         if batch_size is None:
             batch_size = tf.constant(1)
-        self._add_micro_step(list(gradients), weight, weight, batch_size)
+        self._add_micro_step(list(gradients), weight, batch_size)
 
-    def _add_micro_step(self, gradients, weight, gradient_scale, batch_size):
+    def _add_micro_step(self, gradients, weight, batch_size):
         window = self._gradient_window
         if len(gradients) != len(window.trainable_variables):
             raise ValueError(
@@ -463,7 +465,7 @@ class AccumulatingModel(keras.Model):
             )
         samples = tf.cast(batch_size, tf.float32)
         has_data = self._micro_batch_has_data(samples)
-        window.add(gradients, weight, gradient_scale, samples, has_data)
+        window.add(gradients, weight, samples, has_data)
         window_full = window.micro_steps >= self.n_gradients
         epoch_ends = tf.equal(window.steps_left_in_epoch, 0)
         self._window_end.end_if(
@@ -484,8 +486,3 @@ class AccumulatingModel(keras.Model):
         if self.flush_each_epoch:
             return tf.constant(True)
         return _replicas.sum_over_replicas(lambda: samples) > 0
-
-    def _micro_batch_loss(self, x, y, y_pred, sample_weight):
-        return _keras_private.compute_loss(
-            self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight
-        )

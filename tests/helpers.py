@@ -35,6 +35,15 @@ def mlp(model_class, n_gradients=None, features=6, outputs=3, seed=1,
     return model_class(inputs=inputs, outputs=predictions, **kwargs)
 
 
+def windows_reference(x, y, windows, optimizer):
+    """Plain Keras taking one step per window, on the window's samples."""
+    plain = mlp(keras.Model)
+    plain.compile(optimizer=optimizer, loss="mse")
+    for window in windows:
+        plain.train_on_batch(x[window], y[window])
+    return plain
+
+
 def max_weight_difference(model_a, model_b):
     return max(
         float(np.max(np.abs(a - b)))

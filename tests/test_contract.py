@@ -9,6 +9,7 @@ from helpers import iterations
 from helpers import max_weight_difference
 from helpers import mlp
 from helpers import regression_data
+from helpers import windows_reference
 
 
 class Recorder(keras.callbacks.Callback):
@@ -177,15 +178,6 @@ def test_n_gradients_1_is_plain_keras():
     assert our_history.history == plain_history.history
 
 
-def _windows_reference(x, y, windows, optimizer):
-    """Plain Keras taking one step per window on the window's samples."""
-    plain = mlp(keras.Model)
-    plain.compile(optimizer=optimizer, loss="mse")
-    for window in windows:
-        plain.train_on_batch(x[window], y[window])
-    return plain
-
-
 def test_windows_carried_across_epochs_and_applied_when_fit_returns():
     x, y = regression_data(samples=100)
     model = _compiled(optimizer=keras.optimizers.Adam(0.01),
@@ -197,7 +189,7 @@ def test_windows_carried_across_epochs_and_applied_when_fit_returns():
     # The 4th window spans both epochs; the 7th (2 micro-batches) is what
     # was still open when fit() returned.
     assert [len(w) for w in windows] == [32, 32, 32, 28, 32, 32, 12]
-    plain = _windows_reference(x, y, windows, keras.optimizers.Adam(0.01))
+    plain = windows_reference(x, y, windows, keras.optimizers.Adam(0.01))
     assert iterations(model) == 7
     assert max_weight_difference(plain, model) <= 1e-5
 
@@ -212,7 +204,7 @@ def test_window_cut_by_stop_training_is_applied():
     model = _compiled(optimizer=keras.optimizers.SGD(0.1))
     model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
               callbacks=[StopAfterFifth()])
-    plain = _windows_reference(
+    plain = windows_reference(
         x, y, [list(range(32)), list(range(32, 40))],
         keras.optimizers.SGD(0.1),
     )
@@ -343,7 +335,7 @@ def test_train_on_batch_accumulates_and_open_window_can_be_applied():
     assert iterations(model) == 1
     model.apply_open_window()
     assert iterations(model) == 2
-    plain = _windows_reference(x, y, [list(range(16)), list(range(16, 24))],
+    plain = windows_reference(x, y, [list(range(16)), list(range(16, 24))],
                                keras.optimizers.SGD(0.1))
     assert max_weight_difference(plain, model) <= 1e-6
     model.apply_open_window()  # an empty window applies nothing
@@ -426,7 +418,7 @@ def test_state_after_the_trainable_weights_error_is_the_open_window():
     assert model._open_micro_steps() == 1
     model.layers[1].trainable = True
     model.apply_open_window()
-    plain = _windows_reference(x, y, [list(range(8))],
+    plain = windows_reference(x, y, [list(range(8))],
                                keras.optimizers.SGD(0.1))
     assert max_weight_difference(plain, model) <= 1e-6
     model.layers[1].trainable = False

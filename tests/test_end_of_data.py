@@ -16,6 +16,7 @@ from helpers import iterations
 from helpers import max_weight_difference
 from helpers import mlp
 from helpers import regression_data
+from helpers import windows_reference
 from helpers import skip_unless_executions_stop_cleanly
 
 TRIALS = 5
@@ -40,14 +41,6 @@ def _sources(x, y, micro_batch):
     }
 
 
-def _reference(x, y, windows, make_optimizer):
-    plain = mlp(keras.Model)
-    plain.compile(optimizer=make_optimizer(), loss="mse")
-    for window in windows:
-        plain.train_on_batch(x[window], y[window])
-    return plain
-
-
 @pytest.mark.parametrize("source", ["python_generator", "from_generator",
                                     "unknown_cardinality"])
 @pytest.mark.parametrize("flush_each_epoch", [True, False])
@@ -62,7 +55,7 @@ def test_data_of_unknown_length_stays_exact(source, flush_each_epoch):
         windows = windows * epochs
     else:
         windows = [sum(micro[i:i + 2], []) for i in range(0, len(micro), 2)]
-    plain = _reference(x, y, windows, lambda: keras.optimizers.Adam(0.01))
+    plain = windows_reference(x, y, windows, keras.optimizers.Adam(0.01))
     for _ in range(TRIALS):
         model = mlp(AccumulatingModel, n_gradients=2,
                     flush_each_epoch=flush_each_epoch)
@@ -94,7 +87,7 @@ def test_unknown_length_with_steps_per_execution():
     x, y = regression_data(samples=56)  # 7 micro-batches of 8
     micro = [list(range(i, i + 8)) for i in range(0, 56, 8)]
     windows = [sum(micro[i:i + 2], []) for i in range(0, 7, 2)]
-    plain = _reference(x, y, windows, lambda: keras.optimizers.SGD(0.1))
+    plain = windows_reference(x, y, windows, keras.optimizers.SGD(0.1))
     for _ in range(TRIALS):
         model = mlp(AccumulatingModel, n_gradients=2)
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",

@@ -9,15 +9,7 @@ from helpers import iterations
 from helpers import max_weight_difference
 from helpers import mlp
 from helpers import regression_data
-
-
-def _reference(x, y, windows, make_optimizer, **compile_kwargs):
-    """Plain Keras taking one step per window on the window's samples."""
-    plain = mlp(keras.Model)
-    plain.compile(optimizer=make_optimizer(), loss="mse", **compile_kwargs)
-    for window in windows:
-        plain.train_on_batch(x[window], y[window])
-    return plain
+from helpers import windows_reference
 
 
 def _micro_batches(samples, size=8):
@@ -64,7 +56,7 @@ def test_steps_per_execution_that_does_not_divide_the_epoch():
               shuffle=False, verbose=0)
     micro = _micro_batches(128)
     windows = [sum(micro[i:i + 4], []) for i in (0, 4, 8)]
-    plain = _reference(x, y, windows, lambda: keras.optimizers.SGD(0.1))
+    plain = windows_reference(x, y, windows, keras.optimizers.SGD(0.1))
     assert iterations(model) == 3
     assert max_weight_difference(plain, model) <= 1e-6
 
@@ -80,7 +72,7 @@ def test_steps_per_execution_with_an_epoch_shorter_than_its_executions():
     model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     micro = _micro_batches(80)
     epoch = [sum(micro[i:i + 4], []) for i in (0, 4, 8)]
-    plain = _reference(x, y, epoch * 2, lambda: keras.optimizers.SGD(0.1))
+    plain = windows_reference(x, y, epoch * 2, keras.optimizers.SGD(0.1))
     assert iterations(model) == 6
     assert max_weight_difference(plain, model) <= 1e-6
 
@@ -221,7 +213,7 @@ def test_n_gradients_changed_between_fits_takes_effect():
     micro = _micro_batches(64)
     windows = ([sum(micro[i:i + 2], []) for i in range(0, 8, 2)]
                + [sum(micro[i:i + 4], []) for i in (0, 4)])
-    plain = _reference(x, y, windows, lambda: keras.optimizers.SGD(0.1))
+    plain = windows_reference(x, y, windows, keras.optimizers.SGD(0.1))
     assert iterations(model) == 6
     assert max_weight_difference(plain, model) <= 1e-6
     model.n_gradients = 1
