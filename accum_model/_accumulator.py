@@ -25,9 +25,8 @@ class GradientWindow:
     replicas when it ends, so that a window of such empty steps alone is
     never applied.
 
-    The variables are deliberately not tracked by Keras: they are transient
-    training state, not weights, so they stay out of `model.weights`,
-    `save_weights()` and `.keras` files.
+    The variables are not tracked by Keras, so they stay out of
+    `model.weights`; checkpoints carry them through `_window_checkpoint`.
 
     Args:
         trainable_variables: List of the model's trainable variables, in the

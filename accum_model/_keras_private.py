@@ -17,6 +17,7 @@ Checked (the tests that exercise each helper pass, `.ci/matrix`) on:
 | `executions_stop_cleanly_at_end_of_data` | no (refused) | yes | yes |
 | `logs_for_reduction`, `strategy_supports_no_merge_call` | yes | yes | yes |
 | `untracked_modules` (`Layer._flatten_layers`) | yes | yes | yes |
+| `SavedWithModel` (`KerasSaveable`, `saving_lib` walk; TF `Trackable`) | yes | yes | yes |
 """
 
 import contextlib
@@ -31,6 +32,7 @@ from keras.src.models.functional import Functional
 from keras.src.models.functional import functional_like_constructor
 from keras.src.losses import loss as keras_loss_module
 from keras.src.saving import object_registration
+from keras.src.saving.keras_saveable import KerasSaveable
 
 __all__ = [
     "Functional",
@@ -51,6 +53,7 @@ __all__ = [
     "track_loss",
     "symbolic_build_from_local_batch",
     "strategy_supports_no_merge_call",
+    "SavedWithModel",
 ]
 
 
@@ -362,3 +365,57 @@ def executions_stop_cleanly_at_end_of_data():
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
     return hasattr(TensorFlowTrainer, "_make_function")
+
+
+class SavedWithModel(KerasSaveable, tf.__internal__.tracking.Trackable):
+    """Base of a model attribute whose state every checkpoint carries.
+
+    Keras files (`save_weights`, `.keras`, `ModelCheckpoint`,
+    `BackupAndRestore`): `saving_lib._walk_saveable` visits every attribute
+    of the model that is a `KerasSaveable`, private ones last, and calls its
+    `save_own_variables` / `load_own_variables` with an entry of its own;
+    a file without that entry gives an empty one, and a model without the
+    attribute never asks for it (a plain `keras.Model` loads such a file).
+    TensorFlow checkpoints: `tf.train.Checkpoint` follows the model's
+    trackable attributes and calls `_serialize_to_tensors` /
+    `_restore_from_tensors`, matching saved tensors by the names the object
+    serializes now, so those names must not depend on the state.
+    SavedModel export (`model.export`, `tf.saved_model.save`) leaves the
+    state out.
+
+    Subclasses implement `saved_state()` (a dict of arrays, always with the
+    same keys) and `restore_state(arrays)`; Keras files store nothing while
+    `saved_state()` reports `has_state` false.
+    """
+
+    def _obj_type(self):
+        # Which of Keras's attribute skip-sets applies when the saver walks
+        # this object; it holds no Keras objects of its own.
+        return "Layer"
+
+    def save_own_variables(self, store):
+        state = self.saved_state()
+        if self.has_state():
+            for key, value in state.items():
+                store[key] = value
+
+    def load_own_variables(self, store):
+        self.restore_state({key: store[key] for key in store.keys()})
+
+    def _serialize_to_tensors(self):
+        if not tf.executing_eagerly():
+            # SavedModel export traces this in a graph: an exported model
+            # serves, it does not resume training, so it carries no state.
+            return {}
+        return {
+            key: tf.convert_to_tensor(value)
+            for key, value in self.saved_state().items()
+        }
+
+    def _restore_from_tensors(self, restored_tensors):
+        if not tf.executing_eagerly():
+            return tf.no_op()  # SavedModel export traces this too.
+        self.restore_state(
+            {key: value.numpy() for key, value in restored_tensors.items()}
+        )
+        return tf.no_op()

@@ -13,6 +13,7 @@ from accum_model import _replicas
 from accum_model._accumulator import GradientWindow
 from accum_model._loss_scaling import LossScaling
 from accum_model._window_callback import WindowCallback
+from accum_model._window_checkpoint import WindowCheckpoint
 from accum_model._window_end import WindowEnd
 
 # Constructor arguments of AccumulatingModel itself, with their defaults.
@@ -88,6 +89,8 @@ class AccumulatingModel(keras.Model):
         self._loss_scaling = None
         self._epoch_steps = -1
         self._weight_from_batch_size = False
+        # Saved and restored with the model by every kind of checkpoint.
+        self._window_checkpoint = WindowCheckpoint(self)
 
     # Configuration ---------------------------------------------------------
 
@@ -155,7 +158,7 @@ class AccumulatingModel(keras.Model):
     def skipped_windows(self):
         """Int. Windows skipped because a gradient overflowed (mixed precision)."""
         if self._gradient_window is None:
-            return 0
+            return self._window_checkpoint.pending_count("skipped_windows")
         return int(self._gradient_window.skipped_windows.numpy())
 
     @property
@@ -167,7 +170,9 @@ class AccumulatingModel(keras.Model):
 
     def _open_micro_steps(self):
         window = getattr(self, "_gradient_window", None)
-        return 0 if window is None else int(window.micro_steps.numpy())
+        if window is None:
+            return self._window_checkpoint.pending_count("micro_steps")
+        return int(window.micro_steps.numpy())
 
     # Hooks a subclass may override -----------------------------------------
 
@@ -359,6 +364,7 @@ class AccumulatingModel(keras.Model):
                 self._gradient_window = GradientWindow(
                     variables, strategy, self._epoch_steps
                 )
+                self._window_checkpoint.window_built(self._gradient_window)
                 self._window_end = self._make_window_end(self._gradient_window)
 
     def _start_epoch(self, steps):

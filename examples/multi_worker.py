@@ -8,6 +8,8 @@ batch, from the same initial weights, and prints how far apart they are.
 
 Run: python examples/multi_worker.py
      python examples/multi_worker.py --mixed-precision --samples 200
+     python examples/multi_worker.py --carry-window --backup-dir /tmp/b \
+         --fail-at-epoch 1   # then again without --fail-at-epoch: resumes
 """
 
 import argparse
@@ -71,7 +73,8 @@ def run_worker(args):
             model = build_model(keras.Model)
         else:
             model = build_model(AccumulatingModel,
-                                n_gradients=args.n_gradients)
+                                n_gradients=args.n_gradients,
+                                flush_each_epoch=not args.carry_window)
         model.compile(optimizer=make_optimizer(), loss="mse")
 
     callbacks = []
@@ -146,6 +149,8 @@ def launch_workers(args, out, timeout):
             command.append("--mixed-precision")
         if args.plain_keras:
             command.append("--plain-keras")
+        if args.carry_window:
+            command.append("--carry-window")
         if args.backup_dir:
             command += ["--backup-dir", args.backup_dir]
         if args.fail_at_epoch is not None:
@@ -171,15 +176,30 @@ def launch_workers(args, out, timeout):
 
 
 def single_process_reference(args, policy=None):
-    """Plain Keras, one device, batches of micro_batch * n_gradients."""
+    """Plain Keras, one device, one step on each window's samples.
+
+    Windows are `n_gradients` micro-batches of `micro_batch` samples, each
+    epoch's last one shorter; with `--carry-window` they run on across epoch
+    ends (the last of training is applied when it ends).
+    """
     keras.mixed_precision.set_global_policy(
         policy or ("mixed_float16" if args.mixed_precision else "float32")
     )
     model = build_model(keras.Model)
     model.compile(optimizer=make_optimizer(), loss="mse")
     x, y = make_data(args.samples)
-    model.fit(x, y, batch_size=args.micro_batch * args.n_gradients,
-              epochs=args.epochs, shuffle=False, verbose=0)
+    if not args.carry_window:
+        model.fit(x, y, batch_size=args.micro_batch * args.n_gradients,
+                  epochs=args.epochs, shuffle=False, verbose=0)
+        return model
+    micro_batches = [
+        np.arange(start, min(start + args.micro_batch, args.samples))
+        for _ in range(args.epochs)
+        for start in range(0, args.samples, args.micro_batch)
+    ]
+    for first in range(0, len(micro_batches), args.n_gradients):
+        rows = np.concatenate(micro_batches[first:first + args.n_gradients])
+        model.train_on_batch(x[rows], y[rows])
     return model
 
 
@@ -221,6 +241,8 @@ def parse(argv=None):
     parser.add_argument("--n-gradients", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--mixed-precision", action="store_true")
+    parser.add_argument("--carry-window", action="store_true",
+                        help="flush_each_epoch=False: windows span epochs")
     parser.add_argument("--backup-dir")
     parser.add_argument("--fail-at-epoch", type=int)
     parser.add_argument("--timeout", type=float, default=300)

@@ -65,3 +65,19 @@ def test_worker_failure_ends_in_bounded_time_and_backup_resumes(tmp_path):
     assert report["iterations"] == 12
     assert report["workers_max_difference"] == 0.0
     assert report["vs_single_process_max_difference"] <= 1e-5
+
+
+def test_window_carried_over_an_epoch_survives_a_worker_failure(tmp_path):
+    # 13 micro-batches per epoch in windows of 4: each epoch's backup holds
+    # a window of one micro-batch, which the restarted workers must resume.
+    backup = str(tmp_path / "backup")
+    code, report = run_example("--epochs", "3", "--carry-window",
+                               "--backup-dir", backup, "--fail-at-epoch", "1")
+    assert code == 1 and report["exit_codes"][1] == 3
+
+    code, report = run_example("--epochs", "3", "--carry-window",
+                               "--backup-dir", backup)
+    assert code == 0, report
+    assert report["iterations"] == 10  # ceil(39 / 4)
+    assert report["workers_max_difference"] == 0.0
+    assert report["vs_single_process_max_difference"] <= 1e-5

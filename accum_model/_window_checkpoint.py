@@ -1,0 +1,153 @@
+"""The open window in every checkpoint of the model.
+
+A checkpoint taken between two updates holds the weights and optimizer state
+of the last update; without the window, the micro-batches seen since then
+would be lost on resume. `WindowCheckpoint` is an attribute of the model that
+Keras files and TensorFlow checkpoints both carry (see
+`_keras_private.SavedWithModel`). It saves the window as the whole window:
+accumulators and weight sums summed over replicas, counters as they are.
+
+Restoring writes each replica an equal share of the sums, so that they add up
+to what was saved whatever the number of replicas or workers (the window end
+needs only the total). A window restored before the model has built its
+window (the usual build, compile, `load_weights` order) waits and is written
+into the window when training builds it.
+"""
+
+import weakref
+
+import numpy as np
+import tensorflow as tf
+
+from accum_model import _keras_private
+
+# Counters saved with the window, in the order of the "counters" array.
+_COUNTERS = ("weight_sum", "sample_sum", "micro_steps", "skipped_windows")
+# Counters summed over replicas (the others are equal on every replica).
+_SUMMED = ("weight_sum", "sample_sum")
+
+
+class WindowCheckpoint(_keras_private.SavedWithModel):
+    """Saves and restores the window of `model`.
+
+    Args:
+        model: The `AccumulatingModel` whose `_gradient_window` is saved.
+    """
+
+    def __init__(self, model):
+        self._model = weakref.ref(model)
+        # A restored window waiting for the model to build its own.
+        self._pending = None
+
+    def _window(self):
+        model = self._model()
+        return None if model is None else model._gradient_window
+
+    def has_state(self):
+        return self._window() is not None or self._pending is not None
+
+    def saved_state(self):
+        """The window as arrays: the same keys whether or not it exists."""
+        window = self._window()
+        if window is None:
+            return self._pending or _empty_state()
+        # Read in cross-replica context: synchronised-on-read sums come back
+        # summed over replicas (and workers), counters as the first replica's.
+        sums = [tf.reshape(s.read_value(), [-1]) for s in window.gradient_sums]
+        return {
+            "gradients": (
+                tf.concat(sums, 0).numpy() if sums
+                else np.zeros([0], np.float32)
+            ),
+            "sizes": np.array(
+                [int(s.shape.num_elements()) for s in window.gradient_sums],
+                np.int64,
+            ),
+            "has_gradient": np.array(window.has_gradient, np.int8),
+            "counters": np.array(
+                [getattr(window, name).read_value().numpy()
+                 for name in _COUNTERS],
+                np.float64,
+            ),
+        }
+
+    def restore_state(self, arrays):
+        """Restores the window saved as `arrays` (empty: no window open)."""
+        if "sizes" not in arrays:
+            # A file saved without a window (by a model that never trained,
+            # or by a plain `keras.Model`): restore an empty window.
+            arrays = _empty_state()
+        arrays = {key: np.asarray(value) for key, value in arrays.items()}
+        window = self._window()
+        if window is None:
+            self._pending = arrays
+            return
+        self._pending = None
+        _write(window, arrays, self._model().distribute_strategy)
+
+    def window_built(self, window):
+        """Writes a restored window into the window the model just built."""
+        if self._pending is not None:
+            arrays, self._pending = self._pending, None
+            _write(window, arrays, self._model().distribute_strategy)
+
+    def pending_count(self, name):
+        """A counter of the restored window not yet written, else 0.
+
+        Args:
+            name: "micro_steps" or "skipped_windows".
+        """
+        if self._pending is None:
+            return 0
+        return int(self._pending["counters"][_COUNTERS.index(name)])
+
+
+def _empty_state():
+    return {
+        "gradients": np.zeros([0], np.float32),
+        "sizes": np.zeros([0], np.int64),
+        "has_gradient": np.zeros([0], np.int8),
+        "counters": np.zeros([len(_COUNTERS)], np.float64),
+    }
+
+
+def _write(window, arrays, strategy):
+    """Writes `arrays` into `window` (eagerly, cross-replica context)."""
+    sizes = [int(s.shape.num_elements()) for s in window.gradient_sums]
+    saved_sizes = [int(n) for n in arrays["sizes"]]
+    counters = dict(zip(_COUNTERS, arrays["counters"].tolist()))
+    if not saved_sizes:
+        # No window was saved: nothing is open.
+        saved_sizes = sizes
+        gradients = np.zeros([sum(sizes)], np.float32)
+        has_gradient = [False] * len(sizes)
+    else:
+        gradients = arrays["gradients"]
+        has_gradient = [bool(h) for h in arrays["has_gradient"]]
+    if saved_sizes != sizes:
+        raise ValueError(
+            "The checkpoint holds a gradient window for trainable weights of "
+            f"sizes {saved_sizes}, but the model's trainable weights have "
+            f"sizes {sizes}. Load it into a model with the same trainable "
+            "weights, or call `model.apply_open_window()` before saving."
+        )
+    replicas = strategy.num_replicas_in_sync
+    offsets = np.cumsum([0] + sizes)
+    with strategy.scope():
+        for i, gradient_sum in enumerate(window.gradient_sums):
+            value = gradients[offsets[i]:offsets[i + 1]].reshape(
+                gradient_sum.shape
+            )
+            _assign_share(gradient_sum, value / replicas)
+        for name in _COUNTERS:
+            share = counters[name] / replicas if name in _SUMMED else counters[name]
+            _assign_share(getattr(window, name), share)
+    window.has_gradient = [
+        now or saved for now, saved in zip(window.has_gradient, has_gradient)
+    ]
+
+
+def _assign_share(variable, value):
+    """Gives every local replica's copy of `variable` the value `value`."""
+    for component in getattr(variable, "values", (variable,)):
+        component.assign(tf.cast(value, component.dtype))

@@ -1,0 +1,347 @@
+"""Resume: a checkpoint taken between two updates carries the open window.
+
+Each test trains once without interruption, and once more from a checkpoint
+taken after micro-batch `SAVED_AFTER` (in the middle of a window), feeding
+the micro-batches that follow it. Both runs must end equal.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from accum_model import AccumulatingModel
+from helpers import iterations, max_weight_difference, mlp, regression_data
+
+MICRO_BATCH = 8
+N_GRADIENTS = 4
+MICRO_BATCHES = 10  # windows of 4, 4, then 2 flushed at the epoch's end
+SAVED_AFTER = 6  # two micro-batches into the second window
+
+
+def make_optimizer(name):
+    if name == "adam":
+        return keras.optimizers.Adam(0.05)
+    if name == "sgd":
+        return keras.optimizers.SGD(0.1)
+    return keras.optimizers.SGD(0.1, momentum=0.9)
+
+
+def compiled(optimizer, model_class=AccumulatingModel, **kwargs):
+    model = mlp(model_class, n_gradients=N_GRADIENTS, **kwargs)
+    model.compile(optimizer=make_optimizer(optimizer), loss="mse")
+    return model
+
+
+class _AfterMicroBatch(keras.callbacks.Callback):
+    """Calls `save(model)` after micro-batch `count` of the first epoch."""
+
+    def __init__(self, count, save):
+        super().__init__()
+        self.count, self.save = count, save
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch + 1 == self.count:
+            self.save(self.model)
+
+
+def _data():
+    return regression_data(samples=MICRO_BATCH * MICRO_BATCHES)
+
+
+def _uninterrupted(optimizer, **kwargs):
+    x, y = _data()
+    model = compiled(optimizer, **kwargs)
+    model.fit(x, y, batch_size=MICRO_BATCH, epochs=1, shuffle=False, verbose=0)
+    return model
+
+
+def _rest_of_the_epoch(model):
+    x, y = _data()
+    rest = slice(SAVED_AFTER * MICRO_BATCH, None)
+    model.fit(x[rest], y[rest], batch_size=MICRO_BATCH, epochs=1,
+              shuffle=False, verbose=0)
+    return model
+
+
+def _first_run_saving(optimizer, callback, **kwargs):
+    """The interrupted run: trains the epoch with `callback` saving in it."""
+    x, y = _data()
+    model = compiled(optimizer, **kwargs)
+    model.fit(x, y, batch_size=MICRO_BATCH, epochs=1, shuffle=False,
+              verbose=0, callbacks=[callback])
+    return model
+
+
+def _save_and_load(how, path, optimizer):
+    """(callback saving after SAVED_AFTER micro-batches, fn loading it)."""
+    if how == "keras_file":
+        file = str(path / "mid.keras")
+        save = _AfterMicroBatch(SAVED_AFTER, lambda m: m.save(file))
+        return save, lambda: keras.models.load_model(file)
+    if how in ("weights_file", "model_checkpoint_weights"):
+        file = str(path / "mid.weights.h5")
+        if how == "weights_file":
+            save = _AfterMicroBatch(SAVED_AFTER, lambda m: m.save_weights(file))
+        else:
+            save = keras.callbacks.ModelCheckpoint(
+                file, save_weights_only=True, save_freq=SAVED_AFTER
+            )
+
+        def load():
+            model = compiled(optimizer)
+            # Keras loads optimizer variables only into a built optimizer.
+            model.optimizer.build(model.trainable_variables)
+            model.load_weights(file)
+            return model
+
+        return save, load
+    if how == "model_checkpoint_model":
+        file = str(path / "mid.keras")
+        save = keras.callbacks.ModelCheckpoint(file, save_freq=SAVED_AFTER)
+        return save, lambda: keras.models.load_model(file)
+    if how == "tf_checkpoint":
+        directory = str(path / "tf")
+
+        def save_checkpoint(model):
+            checkpoint = tf.train.Checkpoint(model=model,
+                                             optimizer=model.optimizer)
+            tf.train.CheckpointManager(checkpoint, directory, 2).save()
+
+        def load():
+            model = compiled(optimizer)
+            checkpoint = tf.train.Checkpoint(model=model,
+                                             optimizer=model.optimizer)
+            checkpoint.restore(tf.train.latest_checkpoint(directory))
+            return model
+
+        return _AfterMicroBatch(SAVED_AFTER, save_checkpoint), load
+    raise ValueError(how)
+
+
+SAVES = ["keras_file", "weights_file", "model_checkpoint_weights",
+         "model_checkpoint_model", "tf_checkpoint"]
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd_momentum"])
+@pytest.mark.parametrize("how", SAVES)
+def test_resume_from_the_middle_of_a_window_is_exact(how, optimizer, tmp_path):
+    reference = _uninterrupted(optimizer)
+    save, load = _save_and_load(how, tmp_path, optimizer)
+    _first_run_saving(optimizer, save)
+
+    resumed = load()
+    assert resumed._open_micro_steps() == SAVED_AFTER % N_GRADIENTS
+    _rest_of_the_epoch(resumed)
+
+    assert iterations(resumed) == iterations(reference) == 3
+    assert max_weight_difference(resumed, reference) <= 2e-5
+
+
+def test_resumed_windows_equal_plain_keras_large_batches(tmp_path):
+    # The windows of the interrupted epoch are 4, 4 and 2 micro-batches.
+    x, y = _data()
+    save, load = _save_and_load("weights_file", tmp_path, "adam")
+    _first_run_saving("adam", save)
+    resumed = _rest_of_the_epoch(load())
+
+    plain = mlp(keras.Model)
+    plain.compile(optimizer=make_optimizer("adam"), loss="mse")
+    for start, stop in [(0, 4), (4, 8), (8, 10)]:
+        rows = slice(start * MICRO_BATCH, stop * MICRO_BATCH)
+        plain.train_on_batch(x[rows], y[rows])
+    assert max_weight_difference(resumed, plain) <= 2e-5
+
+
+def test_window_restored_before_it_is_built_waits_for_it(tmp_path):
+    # Build, compile, load_weights: the window is built in the first training
+    # step, so the restored one waits. (Keras skips the variables of the
+    # optimizer, not yet built, with a warning: plain SGD keeps none.)
+    file = str(tmp_path / "mid.weights.h5")
+    _first_run_saving(
+        "sgd", _AfterMicroBatch(SAVED_AFTER, lambda m: m.save_weights(file))
+    )
+    resumed = mlp(AccumulatingModel, n_gradients=N_GRADIENTS)
+    resumed.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    resumed.load_weights(file)
+    assert resumed._gradient_window is None
+    assert resumed._open_micro_steps() == SAVED_AFTER % N_GRADIENTS
+    _rest_of_the_epoch(resumed)
+
+    reference = mlp(AccumulatingModel, n_gradients=N_GRADIENTS)
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x, y = _data()
+    reference.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0)
+    # Plain SGD keeps no state: only the window decides the weights.
+    assert max_weight_difference(resumed, reference) <= 2e-5
+
+
+def test_weights_saved_mid_window_load_into_a_plain_model(tmp_path):
+    file = str(tmp_path / "mid.weights.h5")
+    trained = _first_run_saving(
+        "adam", _AfterMicroBatch(SAVED_AFTER, lambda m: m.save_weights(file))
+    )
+    trained.save_weights(file)  # after the epoch: window flushed, still kept
+    plain = mlp(keras.Model)
+    plain.compile(optimizer=make_optimizer("adam"), loss="mse")
+    plain.optimizer.build(plain.trainable_variables)
+    plain.load_weights(file)
+    assert max_weight_difference(plain, trained) == 0.0
+
+
+def test_file_without_a_window_empties_the_open_window(tmp_path):
+    file = str(tmp_path / "plain.weights.h5")
+    plain = mlp(keras.Model)
+    plain.save_weights(file)
+    model = compiled("sgd")
+    x, y = _data()
+    model.train_on_batch(x[:MICRO_BATCH], y[:MICRO_BATCH])
+    assert model._open_micro_steps() == 1
+    model.load_weights(file)
+    assert model._open_micro_steps() == 0
+    assert max_weight_difference(model, plain) == 0.0
+
+
+def test_window_of_other_weights_is_refused_by_name(tmp_path):
+    file = str(tmp_path / "mid.weights.h5")
+    _first_run_saving(
+        "sgd", _AfterMicroBatch(SAVED_AFTER, lambda m: m.save_weights(file))
+    )
+    model = compiled("sgd")
+    model.layers[-1].trainable = False
+    x, y = _data()
+    model.load_weights(file)
+    with pytest.raises(ValueError, match="same trainable weights"):
+        model.fit(x, y, batch_size=MICRO_BATCH, verbose=0)
+
+
+class _StopAfterEpoch(keras.callbacks.Callback):
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise KeyboardInterrupt("preempted")
+
+
+def test_window_carried_over_an_epoch_survives_backup_and_restore(tmp_path):
+    x, y = _data()
+    epochs = 3
+
+    def fresh():
+        model = compiled("adam", flush_each_epoch=False)
+        return model
+
+    reference = fresh()
+    reference.fit(x, y, batch_size=MICRO_BATCH, epochs=epochs, shuffle=False,
+                  verbose=0)
+
+    backup = str(tmp_path / "backup")
+    interrupted = fresh()
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.fit(
+            x, y, batch_size=MICRO_BATCH, epochs=epochs, shuffle=False,
+            verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(backup),
+                       _StopAfterEpoch(0)],
+        )
+    # 10 micro-batches per epoch, windows of 4: 2 are carried over.
+    assert interrupted._open_micro_steps() == 2
+
+    resumed = fresh()
+    resumed.fit(x, y, batch_size=MICRO_BATCH, epochs=epochs, shuffle=False,
+                verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup)])
+    assert iterations(resumed) == iterations(reference) == 30 // 4 + 1
+    assert max_weight_difference(resumed, reference) <= 2e-5
+
+
+def test_resume_under_two_replicas_is_exact(two_replicas, tmp_path):
+    def compiled_under_strategy():
+        with two_replicas.scope():
+            return compiled("adam")
+
+    x, y = _data()
+    batch = 2 * MICRO_BATCH  # each replica gets MICRO_BATCH samples
+    reference = compiled_under_strategy()
+    reference.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
+
+    saved_after = 3
+    file = str(tmp_path / "mid.weights.h5")
+    directory = str(tmp_path / "tf")
+
+    def save(model):
+        model.save_weights(file)
+        checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+        tf.train.CheckpointManager(checkpoint, directory, 1).save()
+
+    interrupted = compiled_under_strategy()
+    interrupted.fit(x, y, batch_size=batch, shuffle=False, verbose=0,
+                    callbacks=[_AfterMicroBatch(saved_after, save)])
+
+    rest = slice(saved_after * batch, None)
+    for load in ("weights_file", "tf_checkpoint"):
+        resumed = compiled_under_strategy()
+        if load == "weights_file":
+            with two_replicas.scope():
+                resumed.optimizer.build(resumed.trainable_variables)
+            resumed.load_weights(file)
+        else:
+            checkpoint = tf.train.Checkpoint(model=resumed,
+                                             optimizer=resumed.optimizer)
+            checkpoint.restore(tf.train.latest_checkpoint(directory))
+        resumed.fit(x[rest], y[rest], batch_size=batch, shuffle=False,
+                    verbose=0)
+        assert iterations(resumed) == iterations(reference) == 2, load
+        assert max_weight_difference(resumed, reference) <= 2e-5, load
+
+
+def test_mixed_precision_resumes_the_loss_scale_and_an_overflowed_window(
+        tmp_path):
+    # Micro-batches 1 and 5 overflow float16: the first window is skipped
+    # before the save, the second (open at the save) must be skipped after
+    # the resume, from the restored accumulators.
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    x, y = _data()
+    y[1 * MICRO_BATCH + 3] = 1e4
+    y[5 * MICRO_BATCH + 2] = 1e4
+
+    def fresh():
+        return compiled("adam")
+
+    reference = fresh()
+    reference.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0)
+
+    file = str(tmp_path / "mid.weights.h5")
+    interrupted = fresh()
+    interrupted.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0,
+                    callbacks=[_AfterMicroBatch(SAVED_AFTER,
+                                                lambda m: m.save_weights(file))])
+    resumed = fresh()
+    resumed.optimizer.build(resumed.trainable_variables)
+    resumed.load_weights(file)
+    assert resumed.skipped_windows == 1
+    rest = slice(SAVED_AFTER * MICRO_BATCH, None)
+    resumed.fit(x[rest], y[rest], batch_size=MICRO_BATCH, shuffle=False,
+                verbose=0)
+
+    assert reference.skipped_windows == resumed.skipped_windows == 2
+    assert iterations(resumed) == iterations(reference) == 1
+    assert float(resumed.optimizer.dynamic_scale.numpy()) == float(
+        reference.optimizer.dynamic_scale.numpy()
+    )
+    assert max_weight_difference(resumed, reference) <= 2e-5
+
+
+def test_model_with_a_window_open_exports_for_serving(tmp_path):
+    # Export traces the saved state in a graph; it must leave the window
+    # out and still serve the model's predictions.
+    x, y = _data()
+    model = compiled("adam")
+    model.train_on_batch(x[:MICRO_BATCH], y[:MICRO_BATCH])
+    assert model._open_micro_steps() == 1
+    model.export(str(tmp_path / "exported"), verbose=False)
+    exported = tf.saved_model.load(str(tmp_path / "exported"))
+    served = exported.serve(x[:4])
+    np.testing.assert_allclose(served.numpy(), model.predict(x[:4], verbose=0),
+                               atol=1e-6)
