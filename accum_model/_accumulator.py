@@ -13,7 +13,8 @@ _ON_READ = tf.VariableSynchronization.ON_READ
 class GradientWindow:
     """The state of the window being accumulated, one copy per replica.
 
-    Accumulators are float32 whatever the compute dtype. They are
+    Accumulators are float32 whatever the compute dtype, unless
+    `accumulator_dtype` says otherwise. They are
     synchronised on read: each replica adds its own gradients without any
     communication, and the window end reduces them once. Counters are equal
     on all replicas, so each replica keeps its own copy and reading one in
@@ -34,9 +35,12 @@ class GradientWindow:
         strategy: The `tf.distribute.Strategy` the model trains under.
         steps_left_in_epoch: Int. Micro steps until the current epoch ends,
             or -1 when unknown.
+        length: Int. Micro steps in a window.
+        accumulator_dtype: `tf.DType` the gradients are summed in.
     """
 
-    def __init__(self, trainable_variables, strategy, steps_left_in_epoch=-1):
+    def __init__(self, trainable_variables, strategy, steps_left_in_epoch=-1,
+                 length=1, accumulator_dtype=tf.float32):
         self.trainable_variables = list(trainable_variables)
         # Which variables received a gradient, learned when the training
         # step is traced; variables without one are never updated.
@@ -50,13 +54,18 @@ class GradientWindow:
         with strategy.scope():
             self.gradient_sums = [
                 tf.Variable(
-                    tf.zeros(variable.shape, tf.float32),
+                    tf.zeros(
+                        variable.shape,
+                        tf.float32 if overwrite else accumulator_dtype,
+                    ),
                     trainable=False,
                     synchronization=_ON_READ,
                     aggregation=tf.VariableAggregation.SUM,
                     name=f"accumulated_{_short_name(variable)}",
                 )
-                for variable in self.trainable_variables
+                for variable, overwrite in zip(
+                    self.trainable_variables, self.overwrite
+                )
             ]
             self.weight_sum = self._scalar("window_weight", tf.float32, "sum")
             self.sample_sum = self._scalar("window_samples", tf.float32, "sum")
@@ -66,6 +75,12 @@ class GradientWindow:
                 "steps_left_in_epoch", tf.int64, initial=steps_left_in_epoch
             )
             self.skipped_windows = self._scalar("skipped_windows", tf.int64)
+            # The length of this window, and of the windows after it (a
+            # schedule changes it at a window boundary).
+            self.length = self._scalar("window_length", tf.int64,
+                                       initial=length)
+            self.next_length = self._scalar("next_window_length", tf.int64,
+                                            initial=length)
 
     @staticmethod
     def _scalar(name, dtype, aggregation="first", initial=0):
@@ -91,7 +106,10 @@ class GradientWindow:
     @property
     def accumulator_bytes(self):
         """Bytes held by one replica's accumulators."""
-        return sum(4 * int(s.shape.num_elements()) for s in self.gradient_sums)
+        return sum(
+            s.dtype.size * int(s.shape.num_elements())
+            for s in self.gradient_sums
+        )
 
     def add(self, gradients, weight, samples, counts):
         """Adds a micro step to the window (replica context).
@@ -116,6 +134,7 @@ class GradientWindow:
         ):
             if gradient is None:
                 continue
+            dtype = gradient_sum.dtype
             if overwrite:
                 value = tf.cast(gradient, tf.float32)
                 first = tf.equal(self.micro_steps, 0)
@@ -132,20 +151,30 @@ class GradientWindow:
                 # rows are summed into a dense tensor first.)
                 gradient_sum.scatter_add(
                     tf.IndexedSlices(
-                        tf.cast(gradient.values, tf.float32) * weight,
+                        _weighted(gradient.values, weight, dtype),
                         gradient.indices,
                         gradient.dense_shape,
                     )
                 )
                 continue
-            gradient_sum.assign_add(
-                tf.cast(gradient, tf.float32) * weight
-            )
+            gradient_sum.assign_add(_weighted(gradient, weight, dtype))
         self.weight_sum.assign_add(weight)
         self.sample_sum.assign_add(samples)
         step = tf.cast(counts, tf.int64)
         self.micro_steps.assign_add(step)
         self.steps_left_in_epoch.assign_sub(step)
+
+    def set_length(self, length):
+        """Sets the window length from the next window boundary (eagerly).
+
+        An empty window takes it at once; an open one keeps its own length.
+        """
+        self.next_length.assign(length)
+        if int(self.micro_steps.numpy()) == 0:
+            self.length.assign(length)
+
+    def is_full(self):
+        return self.micro_steps >= self.length
 
     def local_is_finite(self):
         """1.0 if this replica's accumulators are all finite, else 0.0."""
@@ -169,7 +198,11 @@ class GradientWindow:
         return [
             None if not used
             else tf.cast(s, v.dtype) if overwrite
-            else tf.cast(tf.math.divide_no_nan(s, total_weight), v.dtype)
+            else tf.cast(
+                tf.math.divide_no_nan(tf.cast(s, total_weight.dtype),
+                                      total_weight),
+                v.dtype,
+            )
             for s, v, used, overwrite in zip(
                 self.gradient_sums, self.trainable_variables,
                 self.has_gradient, self.overwrite,
@@ -183,10 +216,17 @@ class GradientWindow:
         self.weight_sum.assign(0.0)
         self.sample_sum.assign(0.0)
         self.micro_steps.assign(0)
+        self.length.assign(self.next_length)
         if tf.executing_eagerly():
             # Eager steps report gradients one micro step at a time; a trace
             # has already seen every variable that can receive one.
             self.has_gradient = [False] * len(self.has_gradient)
+
+
+def _weighted(gradient, weight, dtype):
+    """`gradient * weight` in `dtype` (in float32 first when narrower)."""
+    wide = tf.float64 if dtype == tf.float64 else tf.float32
+    return tf.cast(tf.cast(gradient, wide) * tf.cast(weight, wide), dtype)
 
 
 def is_overwritten_with_gradient(variable):

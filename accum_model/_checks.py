@@ -1,27 +1,12 @@
 """Argument validation, done before any training variable exists."""
 
 import difflib
-import numbers
 import warnings
 
 import tensorflow as tf
 
 from accum_model import _keras_private
 from accum_model._accumulator import is_overwritten_with_gradient
-
-
-def check_n_gradients(n_gradients):
-    """Returns `n_gradients` as an int, or raises a `ValueError`."""
-    is_integer = isinstance(n_gradients, numbers.Integral) and not isinstance(
-        n_gradients, bool
-    )
-    if not is_integer or n_gradients < 1:
-        raise ValueError(
-            "`n_gradients` must be an integer >= 1 (the number of "
-            "micro-batches whose gradients make one update). "
-            f"Received: n_gradients={n_gradients!r}"
-        )
-    return int(n_gradients)
 
 
 def check_flush_each_epoch(flush_each_epoch):

@@ -4,10 +4,12 @@ import keras
 
 from accum_model import _checks
 from accum_model import _model_classes
+from accum_model._window_policy import WindowPolicy
 from accum_model.accumulating_model import AccumulatingModel
 
 
-def accumulating(model, n_gradients, flush_each_epoch=True):
+def accumulating(model, n_gradients, flush_each_epoch=True,
+                 accumulator_dtype="float32"):
     """Makes an existing Keras model accumulate gradients.
 
     The model itself is changed and returned: its class becomes a subclass
@@ -23,8 +25,10 @@ def accumulating(model, n_gradients, flush_each_epoch=True):
 
     Args:
         model: A `keras.Model`.
-        n_gradients: Int >= 1. Micro-batches per optimizer update.
+        n_gradients: Int >= 1, micro-batches per optimizer update, or a
+            schedule `{epoch: n}`. See `AccumulatingModel`.
         flush_each_epoch: Bool. See `AccumulatingModel`.
+        accumulator_dtype: See `AccumulatingModel`.
 
     Returns:
         `model`, now an instance of `AccumulatingModel` as well.
@@ -33,7 +37,8 @@ def accumulating(model, n_gradients, flush_each_epoch=True):
         ValueError: `model` already accumulates with other settings, or has
             a window open.
     """
-    n_gradients = _checks.check_n_gradients(n_gradients)
+    policy = WindowPolicy(n_gradients, accumulator_dtype)
+    n_gradients = policy.n_gradients
     flush_each_epoch = _checks.check_flush_each_epoch(flush_each_epoch)
     if not isinstance(model, keras.Model):
         raise ValueError(
@@ -42,7 +47,8 @@ def accumulating(model, n_gradients, flush_each_epoch=True):
         )
     if isinstance(model, AccumulatingModel):
         same = (model.n_gradients == n_gradients
-                and model.flush_each_epoch == flush_each_epoch)
+                and model.flush_each_epoch == flush_each_epoch
+                and model.accumulator_dtype == policy.accumulator_dtype)
         if same:
             return model
         open_steps = model._open_micro_steps()
@@ -52,13 +58,19 @@ def accumulating(model, n_gradients, flush_each_epoch=True):
                 f"({open_steps} micro-batches not yet applied). Call "
                 "`model.apply_open_window()` first. Received: "
                 f"n_gradients={n_gradients!r}, "
-                f"flush_each_epoch={flush_each_epoch!r}"
+                f"flush_each_epoch={flush_each_epoch!r}, "
+                f"accumulator_dtype={accumulator_dtype!r}"
             )
+        if model.accumulator_dtype != policy.accumulator_dtype:
+            # The window is rebuilt in the new dtype by the next step.
+            model._gradient_window = None
+            model._window_end = None
+        model._window_policy = policy
         model.n_gradients = n_gradients
         model.flush_each_epoch = flush_each_epoch
         return model
     model.__class__ = _model_classes.accumulating_class(type(model))
-    AccumulatingModel._init_accumulation(model, n_gradients, flush_each_epoch)
+    AccumulatingModel._init_accumulation(model, policy, flush_each_epoch)
     # A compiled model has traced (or may trace) Keras's own step.
     model.train_function = None
     return model

@@ -59,7 +59,7 @@ class WindowCallback(keras.callbacks.Callback):
             # an epoch of known length may run up to the next multiple.
             per_execution = int(getattr(model, "steps_per_execution", 1) or 1)
             steps = math.ceil(steps / per_execution) * per_execution
-        model._start_epoch(steps)
+        model._start_epoch(steps, epoch)
 
     def on_test_begin(self, logs=None):
         if self._epoch is not None:

@@ -22,7 +22,8 @@ import tensorflow as tf
 from accum_model import _keras_private
 
 # Counters saved with the window, in the order of the "counters" array.
-_COUNTERS = ("weight_sum", "sample_sum", "micro_steps", "skipped_windows")
+_COUNTERS = ("weight_sum", "sample_sum", "micro_steps", "skipped_windows",
+             "length", "next_length")
 # Counters summed over replicas (the others are equal on every replica).
 _SUMMED = ("weight_sum", "sample_sum")
 
@@ -53,7 +54,15 @@ class WindowCheckpoint(_keras_private.SavedWithModel):
             return self._pending or _empty_state()
         # Read in cross-replica context: synchronised-on-read sums come back
         # summed over replicas (and workers), counters as the first replica's.
-        sums = [tf.reshape(s.read_value(), [-1]) for s in window.gradient_sums]
+        # Narrow accumulators are saved as float32 (what every file format
+        # holds); float64 ones as they are.
+        saved_dtype = (
+            tf.float64 if any(s.dtype == tf.float64
+                              for s in window.gradient_sums)
+            else tf.float32
+        )
+        sums = [tf.reshape(tf.cast(s.read_value(), saved_dtype), [-1])
+                for s in window.gradient_sums]
         return {
             "gradients": (
                 tf.concat(sums, 0).numpy() if sums
@@ -117,7 +126,10 @@ def _write(window, arrays, strategy):
     saved_sizes = [int(n) for n in arrays["sizes"]]
     counters = dict(zip(_COUNTERS, arrays["counters"].tolist()))
     if not saved_sizes:
-        # No window was saved: nothing is open.
+        # No window was saved: nothing is open; the window keeps its length
+        # and its count of skipped windows.
+        for name in ("skipped_windows", "length", "next_length"):
+            counters[name] = float(getattr(window, name).read_value().numpy())
         saved_sizes = sizes
         gradients = np.zeros([sum(sizes)], np.float32)
         has_gradient = [False] * len(sizes)

@@ -24,15 +24,18 @@ class WindowEnd:
             over replicas before the optimizer sees it, so that clipping
             acts on the whole gradient as on one device.
         run_eagerly: Bool. Whether `apply_open` runs without `tf.function`.
+        accumulators_may_overflow: Bool. Whether a non-finite window is
+            skipped even without loss scaling (narrow accumulators).
     """
 
     def __init__(self, window, loss_scaling, strategy, reduce_before_clipping,
-                 run_eagerly):
+                 run_eagerly, accumulators_may_overflow=False):
         self.window = window
         self.loss_scaling = loss_scaling
         self.strategy = strategy
         self.reduce_before_clipping = reduce_before_clipping
         self.run_eagerly = run_eagerly
+        self.checks_finite = loss_scaling.active or accumulators_may_overflow
         # False for losses reduced with "sum": the window is their sum.
         self.divide_by_weight = True
         self._apply_open_functions = {}
@@ -71,7 +74,7 @@ class WindowEnd:
             )
 
         def update_or_skip():
-            if scaling.active:
+            if self.checks_finite:
                 tf.cond(finite, _no_result(update), _no_result(skip))
             else:
                 update()

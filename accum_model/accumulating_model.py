@@ -15,9 +15,13 @@ from accum_model._loss_scaling import LossScaling
 from accum_model._window_callback import WindowCallback
 from accum_model._window_checkpoint import WindowCheckpoint
 from accum_model._window_end import WindowEnd
+from accum_model._window_policy import UpdateSignal
+from accum_model._window_policy import WindowPolicy
+from accum_model._window_policy import n_gradients_from_config
 
 # Constructor arguments of AccumulatingModel itself, with their defaults.
-SETTINGS = {"n_gradients": 1, "flush_each_epoch": True}
+SETTINGS = {"n_gradients": 1, "flush_each_epoch": True,
+            "accumulator_dtype": "float32"}
 
 
 @keras.saving.register_keras_serializable(package="accum_model")
@@ -57,11 +61,19 @@ class AccumulatingModel(keras.Model):
 
     Args:
         n_gradients: Int >= 1. Number of micro-batches whose gradients make
-            one update. 1 trains exactly like `keras.Model`. May be changed
-            between `fit()` calls while no window is open.
+            one update. 1 trains exactly like `keras.Model`. Or a schedule,
+            a dict `{epoch: n}`: each n holds from its 0-based epoch on,
+            windows of 1 before the smallest key; a change takes effect at
+            the next window boundary. May be changed between `fit()` calls
+            while no window is open.
         flush_each_epoch: Bool. Whether the window open at the end of an
             epoch is applied then (True, the default) or continued in the
             next epoch (False).
+        accumulator_dtype: The dtype gradients are summed in: "float32"
+            (default), "float64", or "bfloat16" / "float16" to halve the
+            accumulators' memory at a cost in exactness. A window whose
+            narrow sum overflowed is skipped and counted in
+            `skipped_windows`.
         **kwargs: Passed to `keras.Model`.
     """
 
@@ -69,20 +81,23 @@ class AccumulatingModel(keras.Model):
         return super().__new__(_model_classes.instance_class(cls), *args,
                                **kwargs)
 
-    def __init__(self, *args, n_gradients=1, flush_each_epoch=True, **kwargs):
-        n_gradients = _checks.check_n_gradients(n_gradients)
+    def __init__(self, *args, n_gradients=1, flush_each_epoch=True,
+                 accumulator_dtype="float32", **kwargs):
+        policy = WindowPolicy(n_gradients, accumulator_dtype)
         flush_each_epoch = _checks.check_flush_each_epoch(flush_each_epoch)
         _checks.check_keyword_arguments(
             type(self), kwargs, _model_classes.is_functional_call(args, kwargs),
             own_arguments=SETTINGS,
         )
         super().__init__(*args, **kwargs)
-        self._init_accumulation(n_gradients, flush_each_epoch)
+        self._init_accumulation(policy, flush_each_epoch)
         self._keep_settings_in_clones()
 
-    def _init_accumulation(self, n_gradients, flush_each_epoch):
+    def _init_accumulation(self, policy, flush_each_epoch):
         """Sets the state of accumulation; also used by `accumulating`."""
-        self._n_gradients = n_gradients
+        self._window_policy = policy
+        self._update_signal = UpdateSignal()
+        self._epoch = 0
         self.flush_each_epoch = flush_each_epoch
         self._gradient_window = None
         self._window_end = None
@@ -94,18 +109,21 @@ class AccumulatingModel(keras.Model):
 
     # Configuration ---------------------------------------------------------
 
+    def _settings(self):
+        return {name: getattr(self, name) for name in SETTINGS}
+
     def get_config(self):
         config = super().get_config()
-        config.update(
-            {
-                "n_gradients": self.n_gradients,
-                "flush_each_epoch": self.flush_each_epoch,
-            }
-        )
+        config.update(self._settings())
         return config
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        if "n_gradients" in config:
+            config["n_gradients"] = n_gradients_from_config(
+                config["n_gradients"]
+            )
         model = super().from_config(config, custom_objects=custom_objects)
         # keras 3.6 rebuilds a functional model from its layers alone and
         # drops the other constructor arguments: restore them.
@@ -113,9 +131,13 @@ class AccumulatingModel(keras.Model):
         if isinstance(model, AccumulatingModel) and any(
             getattr(model, k) != v for k, v in settings.items()
         ):
-            model.n_gradients = settings.get("n_gradients", model.n_gradients)
-            model.flush_each_epoch = settings.get(
-                "flush_each_epoch", model.flush_each_epoch
+            model._init_accumulation(
+                WindowPolicy(
+                    settings.get("n_gradients", model.n_gradients),
+                    settings.get("accumulator_dtype",
+                                 model.accumulator_dtype),
+                ),
+                settings.get("flush_each_epoch", model.flush_each_epoch),
             )
             model._keep_settings_in_clones()
         return model
@@ -124,32 +146,38 @@ class AccumulatingModel(keras.Model):
         """Gives a functional instance the class `clone_model` needs."""
         if not isinstance(self, _keras_private.Functional):
             return
-        settings = {
-            "n_gradients": self.n_gradients,
-            "flush_each_epoch": self.flush_each_epoch,
-        }
         self.__class__ = _model_classes.with_settings_for_clones(
-            type(self), {k: v for k, v in settings.items() if v != SETTINGS[k]}
+            type(self),
+            {k: v for k, v in self._settings().items() if v != SETTINGS[k]},
         )
 
     @property
     def n_gradients(self):
-        """Int. Micro-batches per optimizer update."""
-        return self._n_gradients
+        """Int, or dict `{epoch: n}`: micro-batches per update, as given."""
+        return self._window_policy.n_gradients
+
+    @property
+    def accumulator_dtype(self):
+        """Str. The dtype the gradients are summed in."""
+        return self._window_policy.accumulator_dtype
 
     @n_gradients.setter
     def n_gradients(self, value):
-        value = _checks.check_n_gradients(value)
+        value = WindowPolicy(value, self.accumulator_dtype).n_gradients
         open_steps = self._open_micro_steps()
-        if open_steps and value != self._n_gradients:
+        if open_steps and value != self.n_gradients:
             raise ValueError(
                 "`n_gradients` can only change at a window boundary: "
                 f"{open_steps} micro-batches are accumulated and not yet "
                 "applied. Call `model.apply_open_window()` first. Received: "
                 f"n_gradients={value!r}"
             )
-        self._n_gradients = value
-        # The training step is traced with the window length: trace anew.
+        self._window_policy.n_gradients = value
+        if self._gradient_window is not None:
+            self._gradient_window.set_length(
+                self._window_policy.length_for_epoch(self._epoch)
+            )
+        # Switching between Keras's own step and accumulation: trace anew.
         self.train_function = None
 
     # Public state ----------------------------------------------------------
@@ -160,6 +188,19 @@ class AccumulatingModel(keras.Model):
         if self._gradient_window is None:
             return self._window_checkpoint.pending_count("skipped_windows")
         return int(self._gradient_window.skipped_windows.numpy())
+
+    @property
+    def update_applied(self):
+        """Bool. Whether the micro-batch just trained applied an update.
+
+        Read it in a callback's `on_train_batch_end`: true exactly on the
+        micro-batches that closed a window and applied the optimizer (a
+        window skipped for overflow is no update). With
+        `steps_per_execution` > 1 callbacks see executions, and it is true
+        when any micro-batch of the execution applied one. Reading it waits
+        for the step to finish.
+        """
+        return self._update_signal.applied()
 
     @property
     def accumulator_bytes(self):
@@ -250,7 +291,7 @@ class AccumulatingModel(keras.Model):
     # Training --------------------------------------------------------------
 
     def fit(self, *args, **kwargs):
-        if self.n_gradients == 1:
+        if not self._window_policy.accumulates:
             return super().fit(*args, **kwargs)
         self._check_ready_to_accumulate()
         args, kwargs = WindowCallback.added_to_fit_arguments(self, args, kwargs)
@@ -274,21 +315,25 @@ class AccumulatingModel(keras.Model):
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Overrides a private Keras hook; see `_keras_private`.
         distributed = getattr(self, "_distribute_strategy", None) is not None
-        if self.n_gradients == 1 or not distributed or iterator is None:
+        if not self._window_policy.accumulates or not distributed or iterator is None:
             return super()._maybe_symbolic_build(iterator, data_batch)
         _keras_private.symbolic_build_from_local_batch(self, iterator)
 
     def make_train_function(self, force=False):
-        if self.n_gradients == 1:
-            return super().make_train_function(force)
         if self.train_function is not None and not force:
             return self.train_function
-        self._check_ready_to_accumulate()
-        self._check_no_window_left_open(self.trainable_variables)
-        self._settle_configuration()
+        accumulates = self._window_policy.accumulates
+        if accumulates:
+            self._check_ready_to_accumulate()
+            self._check_no_window_left_open(self.trainable_variables)
+            self._settle_configuration()
         super().make_train_function(force)
-        self.train_function = self._applying_open_window_at_end_of_data(
-            self.train_function
+        if accumulates:
+            self.train_function = self._applying_open_window_at_end_of_data(
+                self.train_function
+            )
+        self.train_function = self._update_signal.watching(
+            self.train_function, self.optimizer
         )
         return self.train_function
 
@@ -330,7 +375,8 @@ class AccumulatingModel(keras.Model):
             for name in ("clipnorm", "clipvalue", "global_clipnorm")
         )
         return WindowEnd(window, self._loss_scaling, strategy,
-                         reduce_before_clipping, self.run_eagerly)
+                         reduce_before_clipping, self.run_eagerly,
+                         self._window_policy.may_overflow)
 
     def _ensure_training_state(self):
         """Creates optimizer and window variables for the trainable weights.
@@ -361,18 +407,25 @@ class AccumulatingModel(keras.Model):
                     self.optimizer.build(variables)
             window = self._gradient_window
             if window is None or not window.matches(variables):
+                policy = self._window_policy
                 self._gradient_window = GradientWindow(
-                    variables, strategy, self._epoch_steps
+                    variables, strategy, self._epoch_steps,
+                    length=policy.length_for_epoch(self._epoch),
+                    accumulator_dtype=policy.dtype,
                 )
                 self._window_checkpoint.window_built(self._gradient_window)
                 self._window_end = self._make_window_end(self._gradient_window)
 
-    def _start_epoch(self, steps):
+    def _start_epoch(self, steps, epoch=None):
         """Called as an epoch begins, with its micro steps if known."""
         known = self.flush_each_epoch and steps
         self._epoch_steps = int(steps) if known else -1
-        if self._gradient_window is not None:
-            self._gradient_window.steps_left_in_epoch.assign(self._epoch_steps)
+        if epoch is not None:
+            self._epoch = epoch
+        window = self._gradient_window
+        if window is not None:
+            window.steps_left_in_epoch.assign(self._epoch_steps)
+            window.set_length(self._window_policy.length_for_epoch(self._epoch))
 
     def _applying_open_window_at_end_of_data(self, train_function):
         def train_function_applying_open_window(iterator):
@@ -397,7 +450,7 @@ class AccumulatingModel(keras.Model):
         self._window_end.apply_open()
 
     def train_step(self, data):
-        if self.n_gradients == 1:
+        if not self._window_policy.accumulates:
             return super().train_step(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with tf.GradientTape() as tape:
@@ -427,7 +480,7 @@ class AccumulatingModel(keras.Model):
         _checks.warn_if_activity_penalty_is_masked(type(self), self, y_pred)
         self._add_micro_step(gradients, weight, batch_size)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        if self._loss_scaling.active:
+        if self._window_end.checks_finite:
             # An overflow must never pass silently: show the count.
             logs = {**logs, "skipped_windows": window.skipped_windows.value()}
         return _keras_private.logs_for_reduction(
@@ -472,7 +525,7 @@ class AccumulatingModel(keras.Model):
         samples = tf.cast(batch_size, tf.float32)
         has_data = self._micro_batch_has_data(samples)
         window.add(gradients, weight, samples, has_data)
-        window_full = window.micro_steps >= self.n_gradients
+        window_full = window.is_full()
         epoch_ends = tf.equal(window.steps_left_in_epoch, 0)
         self._window_end.end_if(
             tf.logical_and(has_data, tf.logical_or(window_full, epoch_ends))
