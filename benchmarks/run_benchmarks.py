@@ -3,8 +3,17 @@
 Prints a table and writes `results.md`, `results.json` and `results.png` to
 the output folder. Not part of the test suite.
 
-Run: python benchmarks/run_benchmarks.py            (about 10 minutes, 2 cores)
+Run: python benchmarks/run_benchmarks.py            (about 15 minutes, 2 cores)
      python benchmarks/run_benchmarks.py --quick    (a smoke run)
+     python benchmarks/run_benchmarks.py --device gpu   (on a CUDA machine)
+
+`--device gpu` runs the GPU suite instead: a ResNet-50 on synthetic
+224x224 images, plain Keras at micro-batch b and at n*b against
+`AccumulatingModel` at b with n_gradients=n, in float32, mixed_float16 and
+float32 with `jit_compile=True`; time per micro-batch and peak GPU memory
+(`tf.config.experimental.get_memory_info`), each configuration in a fresh
+process. Results go to `gpu_results.md` / `gpu_results.json`, with the
+device's name.
 """
 
 import argparse
@@ -218,6 +227,121 @@ def memory(large_batch, n):
 # Report ---------------------------------------------------------------------
 
 
+# The GPU suite ----------------------------------------------------------------
+
+
+GPU_PRECISIONS = ("float32", "mixed_float16", "float32+jit")
+
+
+def gpu_child(config):
+    """Fresh process: one configuration of the GPU suite; prints JSON."""
+    spec = json.loads(config)
+    device = spec["device"]
+    precision = spec["precision"]
+    keras.mixed_precision.set_global_policy(
+        "mixed_float16" if precision == "mixed_float16" else "float32"
+    )
+    size, batch, n = spec["image_size"], spec["batch"], spec["n_gradients"]
+    steps = spec["steps"]
+    with tf.device(device):
+        keras.utils.set_random_seed(0)
+        backbone = keras.applications.ResNet50(
+            weights=None, input_shape=(size, size, 3), classes=1000
+        )
+        model_class = AccumulatingModel if n > 1 else keras.Model
+        kwargs = {"n_gradients": n} if n > 1 else {}
+        model = model_class(inputs=backbone.inputs,
+                            outputs=backbone.outputs, **kwargs)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+            loss=keras.losses.SparseCategoricalCrossentropy(),
+            jit_compile=precision.endswith("+jit"),
+        )
+        rng = np.random.default_rng(0)
+        x = rng.random((batch * steps, size, size, 3), dtype="float32")
+        y = rng.integers(0, 1000, size=len(x)).astype("int32")
+        # Warm-up: traces and compiles; not timed.
+        model.fit(x[:batch * max(n, 2)], y[:batch * max(n, 2)],
+                  batch_size=batch, epochs=1, verbose=0)
+        on_gpu = device.upper().startswith("GPU")
+        if on_gpu:
+            tf.config.experimental.reset_memory_stats(device)
+        start = time.perf_counter()
+        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+        seconds = (time.perf_counter() - start) / steps
+        peak = (tf.config.experimental.get_memory_info(device)["peak"]
+                if on_gpu else None)
+    print(json.dumps({
+        "ms_per_micro_batch": 1000 * seconds,
+        "peak_mib": None if peak is None else peak / 2**20,
+        "accumulator_mib": getattr(model, "accumulator_bytes", 0) / 2**20,
+        "parameters": model.count_params(),
+    }))
+
+
+def gpu_suite(args, device="GPU:0"):
+    """Every precision x {keras b, keras n*b, accum_model b x n}."""
+    micro, n = args.gpu_micro_batch, args.gpu_n_gradients
+    steps = 4 * n if args.quick else 16 * n
+    results = {}
+    for precision in GPU_PRECISIONS:
+        for label, batch, n_value, batch_steps in (
+            (f"keras, batch {micro}", micro, 1, steps),
+            (f"keras, batch {micro * n}", micro * n, 1, steps // n),
+            (f"accum_model, batch {micro} x n={n}", micro, n, steps),
+        ):
+            spec = {"device": device, "precision": precision,
+                    "image_size": args.gpu_image_size, "batch": batch,
+                    "n_gradients": n_value, "steps": batch_steps}
+            output = subprocess.run(
+                [sys.executable, __file__, "--gpu-child", json.dumps(spec)],
+                capture_output=True, text=True, timeout=1800,
+            )
+            if output.returncode:
+                results[f"{precision} | {label}"] = {
+                    "error": output.stderr.strip().splitlines()[-1][:200]
+                }
+            else:
+                result = json.loads(output.stdout.strip().splitlines()[-1])
+                # Per sample, so that b and n*b compare directly.
+                result["ms_per_sample"] = result["ms_per_micro_batch"] / batch
+                results[f"{precision} | {label}"] = result
+            print(precision, label, results[f"{precision} | {label}"],
+                  flush=True)
+    return results
+
+
+def gpu_report(results, machine, command, out):
+    lines = [
+        "# accum_model GPU benchmark", "",
+        f"Machine: {machine}", f"Command: `{command}`", "",
+        "ResNet-50 (weights=None), synthetic images, SGD with momentum; "
+        "each row a fresh process; time after a traced warm-up.", "",
+        "| precision | configuration | ms per micro-batch | ms per sample | "
+        "peak GPU memory (MiB) | accumulators (MiB) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, r in results.items():
+        precision, label = key.split(" | ")
+        if "error" in r:
+            lines.append(f"| {precision} | {label} | failed: {r['error']} "
+                         "| | | |")
+            continue
+        peak = "n/a" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
+        lines.append(
+            f"| {precision} | {label} | {r['ms_per_micro_batch']:.1f} | "
+            f"{r['ms_per_sample']:.3f} | {peak} | "
+            f"{r['accumulator_mib']:.1f} |"
+        )
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "gpu_results.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(out, "gpu_results.json"), "w") as f:
+        json.dump({"machine": machine, "command": command,
+                   "results": results}, f, indent=2)
+    print(text)
+
+
 def report(results, out):
     lines = [
         "# accum_model benchmarks",
@@ -340,7 +464,29 @@ def main():
     parser.add_argument("--overhead-only", action="store_true",
                         help="skip the memory and window-cost parts")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                        help="gpu: the ResNet-50 suite on the first GPU")
+    parser.add_argument("--gpu-micro-batch", type=int, default=64)
+    parser.add_argument("--gpu-n-gradients", type=int, default=4)
+    parser.add_argument("--gpu-image-size", type=int, default=224)
+    parser.add_argument("--gpu-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.gpu_child:
+        gpu_child(args.gpu_child)
+        return
+    if args.device == "gpu":
+        gpus = tf.config.list_physical_devices("GPU")
+        if not gpus:
+            sys.exit("--device gpu: TensorFlow sees no GPU on this machine")
+        details = tf.config.experimental.get_device_details(gpus[0])
+        machine = (f"{details.get('device_name', 'GPU')}, tensorflow "
+                   f"{tf.__version__}, keras {keras.__version__}, Python "
+                   f"{platform.python_version()}")
+        os.makedirs(args.out, exist_ok=True)
+        results = gpu_suite(args)
+        gpu_report(results, machine, "python " + " ".join(
+            [os.path.relpath(__file__)] + sys.argv[1:]), args.out)
+        return
     # One intra-op thread: with TensorFlow's default pools, times on a
     # 2-core machine jump between two modes from one fit() to the next.
     tf.config.threading.set_intra_op_parallelism_threads(

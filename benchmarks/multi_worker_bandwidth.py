@@ -1,0 +1,374 @@
+"""Two workers, one link: what reducing once per window saves.
+
+Two `MultiWorkerMirroredStrategy` workers on 127.0.0.1, one CPU core each,
+train a model whose gradient is 16.8 MB (a 2048x2048 dense layer and a small
+head). For each link bandwidth, the workers time plain Keras at micro-batch
+b against `AccumulatingModel` with n = 1, 2, 4, 8, 16 at the same b, in
+interleaved rounds (the order rotates every round), and count the
+cross-worker reductions in each model's traced training step.
+
+A bandwidth other than "host" is made with `tc` (token bucket) on the
+loopback of a network namespace the benchmark creates and removes itself;
+the workers run inside it, so no other traffic is shaped. Without `ip
+netns` / `tc` (not root, or no kernel support) those rows are skipped and
+the reason printed.
+
+From the times it fits, per bandwidth, time per micro-batch = compute +
+reduce / n, and reports the n from which reducing costs under 5% of a
+micro-batch.
+
+Run: sudo python benchmarks/multi_worker_bandwidth.py
+         [--bandwidths host 10gbit 1gbit 100mbit] [--rounds 3]
+         [--out benchmarks/results]
+"""
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+N_VALUES = (1, 2, 4, 8, 16)
+MICRO_BATCHES = 16  # per timed fit(): whole windows for every n above
+WIDTH = 2048
+LOCAL_MICRO_BATCH = 16  # per worker; the global micro-batch is twice that
+
+
+# One worker -------------------------------------------------------------------
+
+
+def run_worker(args):
+    os.environ["TF_CONFIG"] = json.dumps({
+        "cluster": {"worker": [f"127.0.0.1:{p}" for p in args.ports]},
+        "task": {"type": "worker", "index": args.worker_index},
+    })
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from accum_model import AccumulatingModel
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+
+    def build(model_class, **kwargs):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((WIDTH,))
+        hidden = keras.layers.Dense(WIDTH, activation="relu")(inputs)
+        outputs = keras.layers.Dense(10)(hidden)
+        model = model_class(inputs=inputs, outputs=outputs, **kwargs)
+        model.compile(
+            optimizer=keras.optimizers.SGD(1e-3),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        return model
+
+    with strategy.scope():
+        models = {"keras": build(keras.Model)}
+        for n in N_VALUES:
+            models[f"n={n}"] = build(AccumulatingModel, n_gradients=n)
+
+    global_batch = 2 * LOCAL_MICRO_BATCH
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(MICRO_BATCHES * global_batch, WIDTH)).astype(
+        "float32")
+    y = rng.integers(0, 10, size=len(x)).astype("int32")
+
+    def timed_fit(model):
+        start = time.perf_counter()
+        model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False,
+                  verbose=0)
+        return (time.perf_counter() - start) / MICRO_BATCHES
+
+    reductions = {
+        name: _reductions_per_step(model, strategy, x, y, global_batch)
+        for name, model in models.items()
+    }
+    for model in models.values():
+        timed_fit(model)  # traces; not timed
+    names = list(models)
+    times = {name: [] for name in names}
+    for round_index in range(args.rounds):
+        order = names[round_index % len(names):] + names[
+            :round_index % len(names)]
+        for name in order:
+            times[name].append(timed_fit(models[name]))
+    if args.worker_index == 0:
+        with open(os.path.join(args.out, "worker0.json"), "w") as f:
+            json.dump({"seconds_per_micro_batch": times,
+                       "reductions": reductions,
+                       "gradient_bytes": 4 * models["keras"].count_params()},
+                      f)
+
+
+def _reductions_per_step(model, strategy, x, y, global_batch):
+    """Collective reductions in one traced training step of `model`.
+
+    "every_step" run on each micro-batch; "conditional" only when the step
+    ends a window. Counted in the graph, as in tests/test_communication.py.
+    """
+    import tensorflow as tf
+
+    model.make_train_function()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
+    element = next(iter(strategy.experimental_distribute_dataset(dataset)))
+    step = tf.function(lambda data: strategy.run(model.train_step, (data,)))
+    graph_def = step.get_concrete_function(element).graph.as_graph_def()
+    library = {f.signature.name: f for f in graph_def.library.function}
+    counts = {"every_step": 0, "conditional": 0}
+
+    def visit(nodes, conditional):
+        for node in nodes:
+            if node.op.startswith(("Collective", "Nccl")):
+                counts["conditional" if conditional else "every_step"] += 1
+            for key in ("then_branch", "else_branch", "f", "body", "cond"):
+                if key in node.attr and node.attr[key].func.name:
+                    visit(library[node.attr[key].func.name].node_def,
+                          conditional or key.endswith("_branch"))
+
+    visit(graph_def.node, False)
+    return counts
+
+
+# Network namespaces -----------------------------------------------------------
+
+
+class ShapedLoopback:
+    """A network namespace whose loopback runs at `rate` (tc rate string).
+
+    Created on entry, removed on exit, whatever happens in between.
+    """
+
+    def __init__(self, rate):
+        self.rate = rate
+        self.name = f"accum_bench_{os.getpid()}"
+
+    def __enter__(self):
+        _run(["ip", "netns", "add", self.name])
+        try:
+            self.exec(["ip", "link", "set", "lo", "up"])
+            bits = _bits_per_second(self.rate)
+            # The bucket must hold at least one loopback packet (64 KiB)
+            # and a timer tick's worth of traffic.
+            burst = max(256 * 1024, int(bits / 8 / 100))
+            self.exec(["tc", "qdisc", "add", "dev", "lo", "root", "tbf",
+                       "rate", self.rate, "burst", str(burst),
+                       "latency", "200ms"])
+        except Exception:
+            self.__exit__()
+            raise
+        return self
+
+    def exec(self, command):
+        _run(["ip", "netns", "exec", self.name] + command)
+
+    def prefix(self):
+        return ["ip", "netns", "exec", self.name]
+
+    def __exit__(self, *exc):
+        subprocess.run(["ip", "netns", "del", self.name],
+                       capture_output=True)
+
+
+def _run(command):
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode:
+        raise OSError(f"{' '.join(command)}: {result.stderr.strip()}")
+
+
+def _bits_per_second(rate):
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
+    for unit, factor in units.items():
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * factor
+    raise ValueError(f"Unknown rate {rate!r}: use e.g. 10gbit, 100mbit")
+
+
+def _free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+# The launcher -----------------------------------------------------------------
+
+
+def run_pair(args, prefix, timeout):
+    """Runs both workers (under `prefix`); returns worker 0's report."""
+    out = tempfile.mkdtemp(prefix="accum_bench_")
+    # A fresh namespace has every port free; on the host pick free ones.
+    ports = [23456, 23457] if prefix else _free_ports(2)
+    processes = []
+    for index in range(2):
+        cpu = str(index % os.cpu_count())
+        command = prefix + [
+            "taskset", "-c", cpu, sys.executable, os.path.abspath(__file__),
+            "--worker-index", str(index), "--ports", *map(str, ports),
+            "--rounds", str(args.rounds), "--out", out,
+        ]
+        processes.append(subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        ))
+    deadline = time.monotonic() + timeout
+    outputs = []
+    try:
+        for process in processes:
+            output, _ = process.communicate(
+                timeout=max(1.0, deadline - time.monotonic()))
+            outputs.append(output)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    if any(p.returncode for p in processes):
+        raise RuntimeError("a worker failed:\n" + "\n".join(
+            o[-2000:] for o in outputs))
+    with open(os.path.join(out, "worker0.json")) as f:
+        return json.load(f)
+
+
+def summarize(report):
+    """Medians with spread, and the fit time = compute + reduce / n."""
+    times = report["seconds_per_micro_batch"]
+    rows = {name: {"median_ms": 1e3 * statistics.median(t),
+                   "min_ms": 1e3 * min(t), "max_ms": 1e3 * max(t)}
+            for name, t in times.items()}
+    ns = [n for n in N_VALUES]
+    medians = [rows[f"n={n}"]["median_ms"] for n in ns]
+    # Least squares on [1, 1/n].
+    a11 = len(ns)
+    a12 = sum(1 / n for n in ns)
+    a22 = sum(1 / n ** 2 for n in ns)
+    b1 = sum(medians)
+    b2 = sum(m / n for m, n in zip(medians, ns))
+    det = a11 * a22 - a12 ** 2
+    compute = (a22 * b1 - a12 * b2) / det
+    reduce = (a11 * b2 - a12 * b1) / det
+    # The smallest n at which reducing costs under 5% of the compute.
+    negligible = (max(1, int(-(-reduce // (0.05 * compute))))
+                  if reduce > 0 and compute > 0 else 1)
+    return {"rows": rows, "fit_compute_ms": compute,
+            "fit_reduce_ms": reduce, "n_where_reduce_under_5pct": negligible,
+            "reductions": report["reductions"],
+            "gradient_bytes": report["gradient_bytes"]}
+
+
+def to_markdown(results):
+    lines = [
+        "| link | keras (ms) | " + " | ".join(f"n={n} (ms)" for n in N_VALUES)
+        + " | fit: compute + reduce/n (ms) | n for reduce < 5% |",
+        "|---|---|" + "---|" * len(N_VALUES) + "---|---|",
+    ]
+    for link, summary in results.items():
+        if "skipped" in summary:
+            lines.append(f"| {link} | skipped: {summary['skipped']} |")
+            continue
+        rows = summary["rows"]
+
+        def cell(name):
+            r = rows[name]
+            return (f"{r['median_ms']:.1f} [{r['min_ms']:.1f}, "
+                    f"{r['max_ms']:.1f}]")
+
+        lines.append(
+            f"| {link} | {cell('keras')} | "
+            + " | ".join(cell(f"n={n}") for n in N_VALUES)
+            + f" | {summary['fit_compute_ms']:.1f} + "
+            f"{summary['fit_reduce_ms']:.1f}/n | "
+            f"{summary['n_where_reduce_under_5pct']} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    samples = 2 * LOCAL_MICRO_BATCH
+    for index, (link, summary) in enumerate(results.items()):
+        if "skipped" in summary:
+            continue
+        color = f"C{index}"
+        ours = [summary["rows"][f"n={n}"]["median_ms"] / samples
+                for n in N_VALUES]
+        axis.plot(N_VALUES, ours, "o-", color=color,
+                  label=f"AccumulatingModel, {link}")
+        axis.axhline(summary["rows"]["keras"]["median_ms"] / samples,
+                     color=color, linestyle="--",
+                     label=f"plain Keras, {link}")
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xlabel("n_gradients (micro-batch of 32 over 2 workers)")
+    axis.set_ylabel("ms per sample")
+    axis.set_title("2 workers, 16.8 MB gradient")
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bandwidths", nargs="+",
+                        default=["host", "10gbit", "1gbit", "100mbit"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--out", default=os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--ports", type=int, nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker_index is not None:
+        run_worker(args)
+        return 0
+
+    results = {}
+    for link in args.bandwidths:
+        start = time.monotonic()
+        if link == "host":
+            report = run_pair(args, [], args.timeout)
+        else:
+            try:
+                shaped = ShapedLoopback(link)
+                shaped.__enter__()
+            except OSError as error:
+                results[link] = {"skipped": str(error)}
+                print(f"{link}: skipped ({error})")
+                continue
+            try:
+                report = run_pair(args, shaped.prefix(), args.timeout)
+            finally:
+                shaped.__exit__()
+        results[link] = summarize(report)
+        print(f"{link}: done in {time.monotonic() - start:.0f} s")
+    markdown = to_markdown(results)
+    print(markdown)
+    first = next((s for s in results.values() if "reductions" in s), None)
+    if first:
+        print("collective reductions in one traced step:",
+              json.dumps(first["reductions"]))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "multi_worker_bandwidth.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(args.out, "multi_worker_bandwidth.md"), "w") as f:
+        f.write(markdown + "\n")
+    plot(results, os.path.join(args.out, "multi_worker_bandwidth.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
