@@ -3,6 +3,7 @@
 import difflib
 import warnings
 
+import keras
 import tensorflow as tf
 
 from accum_model import _keras_private
@@ -268,3 +269,20 @@ def _accumulating_model_class():
     from accum_model.accumulating_model import AccumulatingModel
 
     return AccumulatingModel
+
+
+def check_ready_to_accumulate(model, requested_class):
+    """Raises (or warns) before training if `model` cannot accumulate.
+
+    Returns:
+        Whether micro-batches are weighted by their number of samples
+        (`compute_loss` overridden without `micro_batch_weight`).
+    """
+    check_optimizer_does_not_accumulate(model.optimizer)
+    check_strategy(model.distribute_strategy)
+    check_loss_reductions(keras.tree.flatten(model.loss))
+    check_no_foreign_layers(model)
+    check_float8_on_one_replica(model)
+    check_steps_per_execution(model)
+    warn_if_train_step_bypasses_window(type(model))
+    return warn_if_loss_divisor_is_unknown(requested_class)

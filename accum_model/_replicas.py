@@ -55,6 +55,22 @@ def summed_into_first_replica(gradients):
     ]
 
 
+def has_data_on_some_replica(samples, strategy, exact):
+    """Whether a step's micro-batch has samples on some replica.
+
+    On one replica that is local knowledge. Across replicas it takes a
+    reduction, paid only when `exact` is asked for: where an empty step
+    cannot shift a window (it comes last in its epoch, and the window is
+    applied right after it), every step counts, and a window of empty steps
+    alone is discarded when it ends.
+    """
+    if strategy.num_replicas_in_sync == 1:
+        return samples > 0
+    if not exact:
+        return tf.constant(True)
+    return sum_over_replicas(lambda: samples) > 0
+
+
 def in_cross_replica_context(fn):
     """Runs `fn()` once, in cross-replica context, from either context."""
     if tf.distribute.in_cross_replica_context():

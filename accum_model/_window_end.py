@@ -40,6 +40,21 @@ class WindowEnd:
         self.divide_by_weight = True
         self._apply_open_functions = {}
 
+    @classmethod
+    def for_model(cls, window, loss_scaling, model):
+        """The window end of `model`'s compiled set-up."""
+        strategy = model.distribute_strategy
+        # Keras clips each replica's gradients before summing them over
+        # replicas; to clip the window's gradient as one device would, it is
+        # summed first (one more reduction per window, only in this case).
+        update_optimizer = loss_scaling.update_optimizer
+        reduce_before_clipping = strategy.num_replicas_in_sync > 1 and any(
+            getattr(update_optimizer, name, None) is not None
+            for name in ("clipnorm", "clipvalue", "global_clipnorm")
+        )
+        return cls(window, loss_scaling, strategy, reduce_before_clipping,
+                   model.run_eagerly, model._window_policy.may_overflow)
+
     def end_if(self, should_end):
         """From replica context: ends the window when `should_end` holds."""
         _replicas.run_if(should_end, self.end)

@@ -299,17 +299,8 @@ class AccumulatingModel(keras.Model):
 
     def _check_ready_to_accumulate(self):
         """Raises (or warns) before training if the set-up cannot accumulate."""
-        _checks.check_optimizer_does_not_accumulate(self.optimizer)
-        _checks.check_strategy(self.distribute_strategy)
-        _checks.check_loss_reductions(keras.tree.flatten(self.loss))
-        _checks.check_no_foreign_layers(self)
-        _checks.check_float8_on_one_replica(self)
-        _checks.check_steps_per_execution(self)
-        _checks.warn_if_train_step_bypasses_window(type(self))
-        self._weight_from_batch_size = (
-            _checks.warn_if_loss_divisor_is_unknown(
-                _model_classes.requested_class(type(self))
-            )
+        self._weight_from_batch_size = _checks.check_ready_to_accumulate(
+            self, _model_classes.requested_class(type(self))
         )
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
@@ -365,18 +356,7 @@ class AccumulatingModel(keras.Model):
             self._window_end = self._make_window_end(self._gradient_window)
 
     def _make_window_end(self, window):
-        strategy = self.distribute_strategy
-        # Keras clips each replica's gradients before summing them over
-        # replicas; to clip the window's gradient as one device would, it is
-        # summed first (one more reduction per window, only in this case).
-        update_optimizer = self._loss_scaling.update_optimizer
-        reduce_before_clipping = strategy.num_replicas_in_sync > 1 and any(
-            getattr(update_optimizer, name, None) is not None
-            for name in ("clipnorm", "clipvalue", "global_clipnorm")
-        )
-        return WindowEnd(window, self._loss_scaling, strategy,
-                         reduce_before_clipping, self.run_eagerly,
-                         self._window_policy.may_overflow)
+        return WindowEnd.for_model(window, self._loss_scaling, self)
 
     def _ensure_training_state(self):
         """Creates optimizer and window variables for the trainable weights.
@@ -523,25 +503,12 @@ class AccumulatingModel(keras.Model):
                 f"{len(gradients)} gradients"
             )
         samples = tf.cast(batch_size, tf.float32)
-        has_data = self._micro_batch_has_data(samples)
+        has_data = _replicas.has_data_on_some_replica(
+            samples, self.distribute_strategy, exact=not self.flush_each_epoch
+        )
         window.add(gradients, weight, samples, has_data)
         window_full = window.is_full()
         epoch_ends = tf.equal(window.steps_left_in_epoch, 0)
         self._window_end.end_if(
             tf.logical_and(has_data, tf.logical_or(window_full, epoch_ends))
         )
-
-    def _micro_batch_has_data(self, samples):
-        """Whether this step's micro-batch has samples on some replica.
-
-        On one replica that is local knowledge. Across replicas it takes a
-        reduction, paid only where an empty step would shift a window: with
-        `flush_each_epoch=True` the empty step comes last in its epoch and
-        its window is applied right after it anyway (and a window of empty
-        steps alone is discarded when it ends).
-        """
-        if self.distribute_strategy.num_replicas_in_sync == 1:
-            return samples > 0
-        if self.flush_each_epoch:
-            return tf.constant(True)
-        return _replicas.sum_over_replicas(lambda: samples) > 0

@@ -52,6 +52,26 @@ def run_worker(args):
     import tensorflow as tf
 
     from accum_model import AccumulatingModel
+    from accum_model import _keras_private
+
+    class PlainKeras(keras.Model):
+        """Keras's own training step, patched to run under two workers.
+
+        keras 3.15.1's `keras.Model.fit` fails under two MWMS workers
+        before training (its symbolic build reduces a distributed batch,
+        and its log reduction cannot reduce scalars over workers; see the
+        README). These two work-arounds, the ones AccumulatingModel uses,
+        change neither the arithmetic nor the gradient reductions.
+        """
+
+        def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+            if iterator is None:
+                return super()._maybe_symbolic_build(iterator, data_batch)
+            _keras_private.symbolic_build_from_local_batch(self, iterator)
+
+        def train_step(self, data):
+            return _keras_private.logs_for_reduction(
+                super().train_step(data), self.distribute_strategy)
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(2)
@@ -70,9 +90,12 @@ def run_worker(args):
         return model
 
     with strategy.scope():
-        models = {"keras": build(keras.Model)}
+        models = {"keras": build(PlainKeras)}
         for n in N_VALUES:
-            models[f"n={n}"] = build(AccumulatingModel, n_gradients=n)
+            # n_gradients=1 as an int would run Keras's own step; {0: 1}
+            # runs the accumulating step with windows of one micro-batch.
+            models[f"n={n}"] = build(AccumulatingModel,
+                                     n_gradients=n if n > 1 else {0: 1})
 
     global_batch = 2 * LOCAL_MICRO_BATCH
     rng = np.random.default_rng(0)

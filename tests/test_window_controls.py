@@ -206,3 +206,25 @@ def test_float16_accumulator_overflow_is_skipped_and_counted():
     assert history.history["skipped_windows"] == [1]
     assert iterations(model) == 1
     assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+
+
+def test_update_signal_with_data_of_unknown_length_marks_the_epochs_end():
+    # A generator: Keras learns the epoch ended only when it finds no data,
+    # and the short last window is applied then, after the last batch.
+    x, y = regression_data(samples=10 * MICRO_BATCH)
+
+    def batches():
+        for start in range(0, len(x), MICRO_BATCH):
+            yield x[start:start + MICRO_BATCH], y[start:start + MICRO_BATCH]
+
+    class RecordEpochEnd(_RecordUpdates):
+        def on_epoch_end(self, epoch, logs=None):
+            self.at_epoch_end = self.model.update_applied
+
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer=_adam(), loss="mse")
+    record = RecordEpochEnd()
+    model.fit(batches(), epochs=1, verbose=0, callbacks=[record])
+    assert record.marked == [[3, 7]]
+    assert record.at_epoch_end
+    assert iterations(model) == 3
