@@ -345,3 +345,18 @@ def test_model_with_a_window_open_exports_for_serving(tmp_path):
     served = exported.serve(x[:4])
     np.testing.assert_allclose(served.numpy(), model.predict(x[:4], verbose=0),
                                atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+def test_resume_keeps_a_window_of_another_accumulator_dtype(dtype, tmp_path):
+    reference = _uninterrupted("adam", accumulator_dtype=dtype)
+    file = str(tmp_path / "mid.weights.h5")
+    _first_run_saving("adam", _AfterMicroBatch(
+        SAVED_AFTER, lambda m: m.save_weights(file)), accumulator_dtype=dtype)
+    resumed = compiled("adam", accumulator_dtype=dtype)
+    resumed.optimizer.build(resumed.trainable_variables)
+    resumed.load_weights(file)
+    _rest_of_the_epoch(resumed)
+    assert resumed._gradient_window.gradient_sums[0].dtype == dtype
+    assert iterations(resumed) == iterations(reference) == 3
+    assert max_weight_difference(resumed, reference) <= 2e-5
