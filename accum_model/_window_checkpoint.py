@@ -92,13 +92,13 @@ class WindowCheckpoint(_keras_private.SavedWithModel):
             self._pending = arrays
             return
         self._pending = None
-        _write(window, arrays, self._model().distribute_strategy)
+        _write(window, arrays, self._model())
 
     def window_built(self, window):
         """Writes a restored window into the window the model just built."""
         if self._pending is not None:
             arrays, self._pending = self._pending, None
-            _write(window, arrays, self._model().distribute_strategy)
+            _write(window, arrays, self._model())
 
     def pending_count(self, name):
         """A counter of the restored window not yet written, else 0.
@@ -120,8 +120,14 @@ def _empty_state():
     }
 
 
-def _write(window, arrays, strategy):
-    """Writes `arrays` into `window` (eagerly, cross-replica context)."""
+def _write(window, arrays, model):
+    """Writes `arrays` into `window` (eagerly, cross-replica context).
+
+    The open window keeps the length it was started with; the windows after
+    it take the model's own length, which may differ from the saving
+    model's.
+    """
+    strategy = model.distribute_strategy
     sizes = [int(s.shape.num_elements()) for s in window.gradient_sums]
     saved_sizes = [int(n) for n in arrays["sizes"]]
     counters = dict(zip(_COUNTERS, arrays["counters"].tolist()))
@@ -157,6 +163,7 @@ def _write(window, arrays, strategy):
     window.has_gradient = [
         now or saved for now, saved in zip(window.has_gradient, has_gradient)
     ]
+    window.set_length(model._window_policy.length_for_epoch(model._epoch))
 
 
 def _assign_share(variable, value):

@@ -360,3 +360,24 @@ def test_resume_keeps_a_window_of_another_accumulator_dtype(dtype, tmp_path):
     assert resumed._gradient_window.gradient_sums[0].dtype == dtype
     assert iterations(resumed) == iterations(reference) == 3
     assert max_weight_difference(resumed, reference) <= 2e-5
+
+
+def test_window_loaded_into_another_n_gradients_ends_then_takes_the_new(
+        tmp_path):
+    # Saved with 2 of 4 micro-batches open; loaded into a model with
+    # n_gradients=2: the open window still ends at 4, then windows of 2.
+    file = str(tmp_path / "mid.weights.h5")
+    _first_run_saving("sgd", _AfterMicroBatch(
+        SAVED_AFTER, lambda m: m.save_weights(file)))
+    model = mlp(AccumulatingModel, n_gradients=2)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    model.load_weights(file)
+    x, y = _data()
+    updates = []
+    for step in range(6):
+        rows = slice(step * MICRO_BATCH, (step + 1) * MICRO_BATCH)
+        model.train_on_batch(x[rows], y[rows])
+        updates.append(iterations(model))
+    # The saved optimizer had applied 1 update.
+    assert updates == [1, 2, 2, 3, 3, 4]
