@@ -25,7 +25,6 @@ Run: sudo python benchmarks/multi_worker_bandwidth.py
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,9 @@ N_VALUES = (1, 2, 4, 8, 16)
 MICRO_BATCHES = 16  # per timed fit(): whole windows for every n above
 WIDTH = 2048
 LOCAL_MICRO_BATCH = 16  # per worker; the global micro-batch is twice that
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(_ROOT, "examples"))
+from multi_worker import free_ports  # noqa: E402
 
 
 # One worker -------------------------------------------------------------------
@@ -110,7 +112,7 @@ def run_worker(args):
         return (time.perf_counter() - start) / MICRO_BATCHES
 
     reductions = {
-        name: _reductions_per_step(model, strategy, x, y, global_batch)
+        name: _reductions_per_step(model, strategy, x, y)
         for name, model in models.items()
     }
     for model in models.values():
@@ -130,33 +132,20 @@ def run_worker(args):
                       f)
 
 
-def _reductions_per_step(model, strategy, x, y, global_batch):
+def _reductions_per_step(model, strategy, x, y):
     """Collective reductions in one traced training step of `model`.
 
     "every_step" run on each micro-batch; "conditional" only when the step
-    ends a window. Counted in the graph, as in tests/test_communication.py.
+    ends a window. Counted by the helpers of tests/test_communication.py,
+    so the benchmark and the test count the same thing.
     """
-    import tensorflow as tf
+    sys.path.insert(0, os.path.join(_ROOT, "tests"))
+    from test_communication import _collective_reductions
+    from test_communication import _traced_step
 
-    model.make_train_function()
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
-    element = next(iter(strategy.experimental_distribute_dataset(dataset)))
-    step = tf.function(lambda data: strategy.run(model.train_step, (data,)))
-    graph_def = step.get_concrete_function(element).graph.as_graph_def()
-    library = {f.signature.name: f for f in graph_def.library.function}
-    counts = {"every_step": 0, "conditional": 0}
-
-    def visit(nodes, conditional):
-        for node in nodes:
-            if node.op.startswith(("Collective", "Nccl")):
-                counts["conditional" if conditional else "every_step"] += 1
-            for key in ("then_branch", "else_branch", "f", "body", "cond"):
-                if key in node.attr and node.attr[key].func.name:
-                    visit(library[node.attr[key].func.name].node_def,
-                          conditional or key.endswith("_branch"))
-
-    visit(graph_def.node, False)
-    return counts
+    local_replicas = len(strategy.extended.worker_devices)
+    return _collective_reductions(_traced_step(model, strategy, x, y),
+                                  local_replicas)
 
 
 # Network namespaces -----------------------------------------------------------
@@ -213,16 +202,6 @@ def _bits_per_second(rate):
     raise ValueError(f"Unknown rate {rate!r}: use e.g. 10gbit, 100mbit")
 
 
-def _free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 # The launcher -----------------------------------------------------------------
 
 
@@ -230,7 +209,7 @@ def run_pair(args, prefix, timeout):
     """Runs both workers (under `prefix`); returns worker 0's report."""
     out = tempfile.mkdtemp(prefix="accum_bench_")
     # A fresh namespace has every port free; on the host pick free ones.
-    ports = [23456, 23457] if prefix else _free_ports(2)
+    ports = [23456, 23457] if prefix else free_ports(2)
     processes = []
     for index in range(2):
         cpu = str(index % os.cpu_count())
@@ -359,6 +338,12 @@ def main(argv=None):
         run_worker(args)
         return 0
 
+    for link in args.bandwidths:
+        if link != "host":
+            try:
+                _bits_per_second(link)
+            except ValueError as error:
+                parser.error(f"--bandwidths: {error}")
     results = {}
     for link in args.bandwidths:
         start = time.monotonic()
