@@ -286,3 +286,25 @@ def check_ready_to_accumulate(model, requested_class):
     check_steps_per_execution(model)
     warn_if_train_step_bypasses_window(type(model))
     return warn_if_loss_divisor_is_unknown(requested_class)
+
+
+def check_no_window_left_open(model, trainable_variables):
+    """Refuses to forget gradients when the trainable weights changed.
+
+    After this error the open window is kept as it was, with the optimizer
+    and variables it was started with; `apply_open_window()` applies it to
+    those and lets training go on with the new ones.
+    """
+    window = model._gradient_window
+    if window is None or window.matches(trainable_variables):
+        return
+    open_steps = model._open_micro_steps()
+    if open_steps:
+        raise ValueError(
+            "The model's trainable weights changed while a window was "
+            f"open ({open_steps} micro-batches accumulated and not yet "
+            "applied). Call `model.apply_open_window()` before changing "
+            "which weights are trainable. Received: "
+            f"{len(trainable_variables)} trainable variables, "
+            f"window built for {len(window.trainable_variables)}"
+        )

@@ -50,6 +50,25 @@ class WindowCallback(keras.callbacks.Callback):
             )
         return (), arguments
 
+    @staticmethod
+    def applying_open_window_at_end(train_function, model):
+        """Wraps `train_function` to apply the window when data runs out.
+
+        With data of unknown length Keras learns that the epoch ended when
+        a run of the train function finds no data (StopIteration): the
+        window open then belongs to the epoch that ended.
+        """
+
+        def train_function_applying_open_window(iterator):
+            try:
+                return train_function(iterator)
+            except StopIteration:
+                if model.flush_each_epoch:
+                    model.apply_open_window()
+                raise
+
+        return train_function_applying_open_window
+
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         model = self.accumulating_model

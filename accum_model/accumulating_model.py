@@ -316,38 +316,17 @@ class AccumulatingModel(keras.Model):
         accumulates = self._window_policy.accumulates
         if accumulates:
             self._check_ready_to_accumulate()
-            self._check_no_window_left_open(self.trainable_variables)
+            _checks.check_no_window_left_open(self, self.trainable_variables)
             self._settle_configuration()
         super().make_train_function(force)
         if accumulates:
-            self.train_function = self._applying_open_window_at_end_of_data(
-                self.train_function
+            self.train_function = WindowCallback.applying_open_window_at_end(
+                self.train_function, self
             )
         self.train_function = self._update_signal.watching(
             self.train_function, self.optimizer
         )
         return self.train_function
-
-    def _check_no_window_left_open(self, trainable_variables):
-        """Refuses to forget gradients when the trainable weights changed.
-
-        After this error the open window is kept as it was, with the
-        optimizer and variables it was started with; `apply_open_window()`
-        applies it to those and lets training go on with the new ones.
-        """
-        window = self._gradient_window
-        if window is None or window.matches(trainable_variables):
-            return
-        open_steps = self._open_micro_steps()
-        if open_steps:
-            raise ValueError(
-                "The model's trainable weights changed while a window was "
-                f"open ({open_steps} micro-batches accumulated and not yet "
-                "applied). Call `model.apply_open_window()` before changing "
-                "which weights are trainable. Received: "
-                f"{len(trainable_variables)} trainable variables, "
-                f"window built for {len(window.trainable_variables)}"
-            )
 
     def _settle_configuration(self):
         """Decides, once per compiled set-up, how windows are applied."""
@@ -380,7 +359,7 @@ class AccumulatingModel(keras.Model):
 
     def _build_training_state(self, variables):
         with tf.init_scope():
-            self._check_no_window_left_open(variables)
+            _checks.check_no_window_left_open(self, variables)
             strategy = self.distribute_strategy
             if not self.optimizer.built:
                 with strategy.scope():
@@ -406,17 +385,6 @@ class AccumulatingModel(keras.Model):
         if window is not None:
             window.steps_left_in_epoch.assign(self._epoch_steps)
             window.set_length(self._window_policy.length_for_epoch(self._epoch))
-
-    def _applying_open_window_at_end_of_data(self, train_function):
-        def train_function_applying_open_window(iterator):
-            try:
-                return train_function(iterator)
-            except StopIteration:
-                if self.flush_each_epoch:
-                    self.apply_open_window()
-                raise
-
-        return train_function_applying_open_window
 
     def apply_open_window(self):
         """Applies the gradients of the window still open, if any.
