@@ -11,6 +11,7 @@ import pytest
 from accum_model import AccumulatingModel
 from accum_model import accumulating
 from helpers import iterations, max_weight_difference, mlp, regression_data
+from helpers import skip_unless_executions_stop_cleanly
 
 MICRO_BATCH = 8
 
@@ -144,6 +145,32 @@ def test_update_signal_marks_the_last_micro_batch_of_each_window(
               verbose=0, callbacks=[record])
     assert record.marked == expected
     assert sum(map(len, record.marked)) == iterations(model)
+
+
+def test_update_signal_per_execution_marks_executions_with_an_update():
+    # steps_per_execution=2: callbacks see micro-batches 1, 3, 5, 7, 9;
+    # windows of 3 end at micro-batches 2, 5, 8 and 9 (the epoch's end).
+    skip_unless_executions_stop_cleanly(2)
+    x, y = regression_data(samples=10 * MICRO_BATCH)
+    model = mlp(AccumulatingModel, n_gradients=3)
+    model.compile(optimizer=_adam(), loss="mse", steps_per_execution=2)
+    record = _RecordUpdates()
+    model.fit(x, y, batch_size=MICRO_BATCH, epochs=1, shuffle=False,
+              verbose=0, callbacks=[record])
+    assert record.marked == [[3, 5, 9]]
+    assert iterations(model) == 4
+
+
+def test_float16_accumulator_under_loss_scaling_skips_the_overflow():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    x, y = regression_data(samples=8 * MICRO_BATCH)
+    y[4 * MICRO_BATCH + 2] = 1e4  # overflows the scaled float16 backward
+    model = mlp(AccumulatingModel, n_gradients=4, accumulator_dtype="float16")
+    model.compile(optimizer=_adam(), loss="mse")
+    model.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0)
+    assert model.skipped_windows == 1
+    assert iterations(model) == 1
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
 
 
 def test_update_signal_does_not_mark_a_window_skipped_for_overflow():
