@@ -159,8 +159,6 @@ def check_steps_per_execution(model):
     """Refuses executions of several steps where Keras can cut one short."""
     steps = int(getattr(model, "steps_per_execution", 1) or 1)
     if steps > 1 and not _keras_private.executions_stop_cleanly_at_end_of_data():
-        import keras
-
         raise ValueError(
             f"With keras {keras.__version__}, `steps_per_execution > 1` can "
             "run part of a training step when the data runs out inside an "

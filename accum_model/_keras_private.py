@@ -383,9 +383,10 @@ class SavedWithModel(KerasSaveable, tf.__internal__.tracking.Trackable):
     SavedModel export (`model.export`, `tf.saved_model.save`) leaves the
     state out.
 
-    Subclasses implement `saved_state()` (a dict of arrays, always with the
-    same keys) and `restore_state(arrays)`; Keras files store nothing while
-    `saved_state()` reports `has_state` false.
+    Subclasses implement `has_state()`, `saved_state()` (a dict of arrays,
+    always with the same keys) and `restore_state(arrays)`. Keras files
+    store nothing while `has_state()` is false, so they stay what a plain
+    model would write.
     """
 
     def _obj_type(self):
@@ -394,9 +395,8 @@ class SavedWithModel(KerasSaveable, tf.__internal__.tracking.Trackable):
         return "Layer"
 
     def save_own_variables(self, store):
-        state = self.saved_state()
         if self.has_state():
-            for key, value in state.items():
+            for key, value in self.saved_state().items():
                 store[key] = value
 
     def load_own_variables(self, store):

@@ -21,9 +21,11 @@ import tensorflow as tf
 
 from accum_model import _keras_private
 
-# Counters saved with the window, in the order of the "counters" array.
+# Counters saved with the window, in the order of the "counters" array. The
+# windows after the open one take the loading model's length, so only the
+# open window's own length is saved.
 _COUNTERS = ("weight_sum", "sample_sum", "micro_steps", "skipped_windows",
-             "length", "next_length")
+             "length")
 # Counters summed over replicas (the others are equal on every replica).
 _SUMMED = ("weight_sum", "sample_sum")
 
@@ -132,10 +134,11 @@ def _write(window, arrays, model):
     saved_sizes = [int(n) for n in arrays["sizes"]]
     counters = dict(zip(_COUNTERS, arrays["counters"].tolist()))
     if not saved_sizes:
-        # No window was saved: nothing is open; the window keeps its length
-        # and its count of skipped windows.
-        for name in ("skipped_windows", "length", "next_length"):
-            counters[name] = float(getattr(window, name).read_value().numpy())
+        # No window was saved: nothing is open (its length is set below);
+        # the window keeps its count of skipped windows.
+        counters["skipped_windows"] = float(
+            window.skipped_windows.read_value().numpy()
+        )
         saved_sizes = sizes
         gradients = np.zeros([sum(sizes)], np.float32)
         has_gradient = [False] * len(sizes)

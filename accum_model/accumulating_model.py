@@ -17,6 +17,7 @@ from accum_model._window_checkpoint import WindowCheckpoint
 from accum_model._window_end import WindowEnd
 from accum_model._window_policy import UpdateSignal
 from accum_model._window_policy import WindowPolicy
+from accum_model._window_policy import check_n_gradients
 from accum_model._window_policy import n_gradients_from_config
 
 # Constructor arguments of AccumulatingModel itself, with their defaults.
@@ -163,7 +164,7 @@ class AccumulatingModel(keras.Model):
 
     @n_gradients.setter
     def n_gradients(self, value):
-        value = WindowPolicy(value, self.accumulator_dtype).n_gradients
+        value = check_n_gradients(value)
         open_steps = self._open_micro_steps()
         if open_steps and value != self.n_gradients:
             raise ValueError(
