@@ -38,6 +38,7 @@ LOCAL_MICRO_BATCH = 16  # per worker; the global micro-batch is twice that
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(_ROOT, "examples"))
 from multi_worker import free_ports  # noqa: E402
+from multi_worker import run_bounded  # noqa: E402
 
 
 # One worker -------------------------------------------------------------------
@@ -210,33 +211,19 @@ def run_pair(args, prefix, timeout):
     out = tempfile.mkdtemp(prefix="accum_bench_")
     # A fresh namespace has every port free; on the host pick free ones.
     ports = [23456, 23457] if prefix else free_ports(2)
-    processes = []
-    for index in range(2):
-        cpu = str(index % os.cpu_count())
-        command = prefix + [
-            "taskset", "-c", cpu, sys.executable, os.path.abspath(__file__),
-            "--worker-index", str(index), "--ports", *map(str, ports),
-            "--rounds", str(args.rounds), "--out", out,
+    commands = [
+        prefix + [
+            "taskset", "-c", str(index % os.cpu_count()), sys.executable,
+            os.path.abspath(__file__), "--worker-index", str(index),
+            "--ports", *map(str, ports), "--rounds", str(args.rounds),
+            "--out", out,
         ]
-        processes.append(subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-        ))
-    deadline = time.monotonic() + timeout
-    outputs = []
-    try:
-        for process in processes:
-            output, _ = process.communicate(
-                timeout=max(1.0, deadline - time.monotonic()))
-            outputs.append(output)
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.communicate()
-    if any(p.returncode for p in processes):
+        for index in range(2)
+    ]
+    results = run_bounded(commands, timeout)
+    if any(code for code, _ in results):
         raise RuntimeError("a worker failed:\n" + "\n".join(
-            o[-2000:] for o in outputs))
+            output[-2000:] for _, output in results))
     with open(os.path.join(out, "worker0.json")) as f:
         return json.load(f)
 

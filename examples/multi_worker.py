@@ -130,13 +130,40 @@ def free_ports(count):
     return ports
 
 
-def launch_workers(args, out, timeout):
-    """Starts both workers; returns their exit codes and outputs.
+def run_bounded(commands, timeout):
+    """Runs `commands` at once; returns their (exit code, output) in order.
 
-    Never leaves a process behind: on timeout both are killed and reaped.
+    Never leaves a process behind: on timeout (or any error while waiting)
+    all are killed and reaped, and the error is raised.
     """
+    processes = [
+        subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        )
+        for command in commands
+    ]
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for process in processes:
+            remaining = max(1.0, deadline - time.monotonic())
+            output, _ = process.communicate(timeout=remaining)
+            results.append((process.returncode, output))
+    except BaseException:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+        for process in processes:
+            process.communicate()
+        raise
+    return results
+
+
+def launch_workers(args, out, timeout):
+    """Starts both workers; returns their exit codes and outputs."""
     ports = free_ports(2)
-    processes = []
+    commands = []
     for index in range(2):
         command = [
             sys.executable, os.path.abspath(__file__), "--worker-index",
@@ -155,24 +182,8 @@ def launch_workers(args, out, timeout):
             command += ["--backup-dir", args.backup_dir]
         if args.fail_at_epoch is not None:
             command += ["--fail-at-epoch", str(args.fail_at_epoch)]
-        processes.append(subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-        ))
-    deadline = time.monotonic() + timeout
-    results = []
-    try:
-        for process in processes:
-            remaining = max(1.0, deadline - time.monotonic())
-            output, _ = process.communicate(timeout=remaining)
-            results.append((process.returncode, output))
-    except subprocess.TimeoutExpired:
-        for process in processes:
-            process.kill()
-        for process in processes:
-            process.communicate()
-        raise
-    return results
+        commands.append(command)
+    return run_bounded(commands, timeout)
 
 
 def single_process_reference(args, policy=None):
