@@ -3,10 +3,10 @@
 import difflib
 import warnings
 
-import keras
 import tensorflow as tf
 
-from accum_model import _keras_private
+from accum_model import _class_tree
+from accum_model._adapter import private
 from accum_model._accumulator import is_overwritten_with_gradient
 
 
@@ -35,9 +35,6 @@ def check_optimizer_does_not_accumulate(optimizer):
             )
 
 
-REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight", "sum")
-
-
 def check_loss_reductions(losses):
     """Refuses compiled losses whose reduction the window cannot reproduce.
 
@@ -46,11 +43,12 @@ def check_loss_reductions(losses):
     """
     for loss in losses:
         reduction = getattr(loss, "reduction", "sum_over_batch_size")
-        if reduction not in REDUCTIONS:
+        if reduction not in private.LOSS_REDUCTIONS:
             raise ValueError(
                 "AccumulatingModel needs losses that Keras reduces to one "
-                f"number per batch (reduction in {REDUCTIONS}), so that a "
-                "window can equal one large batch. Received: "
+                "number per batch (reduction in "
+                f"{private.LOSS_REDUCTIONS}), so that a window can equal "
+                "one large batch. Received: "
                 f"reduction={reduction!r} on loss "
                 f"{getattr(loss, 'name', loss)!r}"
             )
@@ -86,9 +84,9 @@ def check_keyword_arguments(model_class, kwargs, functional, own_arguments):
         functional: Bool. Whether the call builds a functional model.
         own_arguments: AccumulatingModel's own keyword names.
     """
-    if not _keras_private.next_init_is_keras_model(model_class):
+    if not _class_tree.next_init_is_keras_model(model_class):
         return
-    allowed = _keras_private.model_keyword_arguments(functional)
+    allowed = private.model_keyword_arguments(functional)
     unknown = [name for name in kwargs if name not in allowed]
     if not unknown:
         return
@@ -135,7 +133,7 @@ def warn_if_activity_penalty_is_masked(model_class, model, y_pred):
     if model_class.micro_batch_weight is not base.micro_batch_weight:
         return
     masked = any(
-        _keras_private.get_keras_mask(output) is not None
+        private.get_keras_mask(output) is not None
         for output in tf.nest.flatten(y_pred)
         if output is not None
     )
@@ -157,15 +155,11 @@ def warn_if_activity_penalty_is_masked(model_class, model, y_pred):
 
 def check_steps_per_execution(model):
     """Refuses executions of several steps where Keras can cut one short."""
-    steps = int(getattr(model, "steps_per_execution", 1) or 1)
-    if steps > 1 and not _keras_private.executions_stop_cleanly_at_end_of_data():
+    steps = private.steps_per_execution(model)
+    if steps > 1 and not private.executions_stop_cleanly_at_end_of_data():
         raise ValueError(
-            f"With keras {keras.__version__}, `steps_per_execution > 1` can "
-            "run part of a training step when the data runs out inside an "
-            "execution, which would leave a window half updated. Compile "
-            "with steps_per_execution=1, or upgrade: pip install "
-            "'keras>=3.8'. Received: steps_per_execution="
-            f"{steps}"
+            f"{private.STEPS_PER_EXECUTION_FIX}. Received: "
+            f"steps_per_execution={steps}"
         )
 
 
@@ -176,15 +170,16 @@ def check_no_foreign_layers(model):
     """
     foreign = sorted(
         f"{name} ({type(value).__module__}.{type(value).__name__})"
-        for name, value in _keras_private.untracked_modules(model)
+        for name, value in private.untracked_modules(model)
     )
     if foreign:
         raise ValueError(
-            "The model holds layers of another Keras, whose weights Keras 3 "
-            "does not see and would never train: "
+            "The model holds layers of another Keras, whose weights the "
+            "model's Keras does not see and would never train: "
             + ", ".join(foreign)
-            + ". Build the model from `keras` layers (Keras 3), or use "
-            "`tf_keras` throughout with TF_USE_LEGACY_KERAS=1."
+            + ". Build the model from the layers of one Keras: `keras` "
+            "(Keras 3) throughout, or `tf_keras` throughout with "
+            "TF_USE_LEGACY_KERAS=1."
         )
 
 
@@ -196,7 +191,7 @@ def warn_if_train_step_bypasses_window(model_class):
     `accumulate_gradients` or `super().train_step` is fine.
     """
     base = _accumulating_model_class()
-    shadowed = _keras_private.overriding_classes(
+    shadowed = _class_tree.overriding_classes(
         model_class, "train_step", start_after=base
     )
     if shadowed:
@@ -208,7 +203,7 @@ def warn_if_train_step_bypasses_window(model_class):
             "micro-batch's gradients to `self.accumulate_gradients`.",
             stacklevel=3,
         )
-    names = _keras_private.names_used_by_overrides(
+    names = _class_tree.names_used_by_overrides(
         model_class, "train_step", stop_at=base
     )
     if names is None or {"accumulate_gradients", "train_step"} & names:
@@ -232,7 +227,7 @@ def warn_if_loss_divisor_is_unknown(model_class):
     """
     base = _accumulating_model_class()
     overrides_loss = bool(
-        _keras_private.overriding_classes(model_class, "compute_loss")
+        _class_tree.overriding_classes(model_class, "compute_loss")
     )
     overrides_weight = model_class.micro_batch_weight is not (
         base.micro_batch_weight
@@ -278,7 +273,7 @@ def check_ready_to_accumulate(model, requested_class):
     """
     check_optimizer_does_not_accumulate(model.optimizer)
     check_strategy(model.distribute_strategy)
-    check_loss_reductions(keras.tree.flatten(model.loss))
+    check_loss_reductions(tf.nest.flatten(model.loss))
     check_no_foreign_layers(model)
     check_float8_on_one_replica(model)
     check_steps_per_execution(model)

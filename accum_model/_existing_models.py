@@ -1,6 +1,6 @@
 """`accumulating(model)`: gradient accumulation for a model that exists."""
 
-import keras
+from accum_model._adapter import keras
 
 from accum_model import _checks
 from accum_model import _model_classes
@@ -42,7 +42,8 @@ def accumulating(model, n_gradients, flush_each_epoch=True,
     flush_each_epoch = _checks.check_flush_each_epoch(flush_each_epoch)
     if not isinstance(model, keras.Model):
         raise ValueError(
-            "`accumulating` takes a Keras 3 `keras.Model`. Received: "
+            "`accumulating` takes a model of the Keras that accum_model "
+            f"trains with here, a `{keras.__name__}.Model`. Received: "
             f"model of type {type(model).__module__}.{type(model).__name__}"
         )
     if isinstance(model, AccumulatingModel):

@@ -1,7 +1,8 @@
-"""Every private Keras or TensorFlow detail accum_model relies on.
+"""The Keras 3 adapter: every private Keras 3 detail accum_model relies on.
 
+Offers the names `_keras2_private` offers for Keras 2 (see `_adapter`).
 Each helper names the private member it touches, so a Keras upgrade is one
-file to review. Where Keras versions differ, the helper detects what the
+file to review. Where Keras 3 versions differ, the helper detects what the
 running Keras offers rather than reading its version.
 
 Checked (the tests that exercise each helper pass, `.ci/matrix`) on:
@@ -13,16 +14,15 @@ Checked (the tests that exercise each helper pass, `.ci/matrix`) on:
 | `losses_not_divided_by_replicas` (absent before 3.8: nothing to undo) | yes | yes | yes |
 | `recording_loss_reductions`, `merged_sample_weight` | yes | yes | yes |
 | `track_loss` (`Trainer._loss_tracker`) | yes | yes | yes |
-| `symbolic_build_from_local_batch` (epoch iterator of 2 or 3 items, or `enumerate_epoch`) | yes | yes | yes |
+| `ModelDifferences` (`_maybe_symbolic_build`; epoch iterator of 2 or 3 items, or `enumerate_epoch`) | yes | yes | yes |
 | `executions_stop_cleanly_at_end_of_data` | no (refused) | yes | yes |
-| `logs_for_reduction`, `strategy_supports_no_merge_call` | yes | yes | yes |
+| `logs_for_reduction` | yes | yes | yes |
 | `untracked_modules` (`Layer._flatten_layers`) | yes | yes | yes |
 | `SavedWithModel` (`KerasSaveable`, `saving_lib` walk; TF `Trackable`) | yes | yes | yes |
 """
 
 import contextlib
 import inspect
-import types
 
 import keras
 import tensorflow as tf
@@ -34,8 +34,15 @@ from keras.src.losses import loss as keras_loss_module
 from keras.src.saving import object_registration
 from keras.src.saving.keras_saveable import KerasSaveable
 
+from accum_model._class_tree import next_init_class
+from accum_model._class_tree import next_init_is_keras_model
+from accum_model._loss_scaling import LossScaling
+from accum_model._tf_checkpoint import SavedInTfCheckpoints
+
 __all__ = [
     "Functional",
+    "LossScaling",
+    "ModelDifferences",
     "compute_loss",
     "executions_stop_cleanly_at_end_of_data",
     "losses_not_divided_by_replicas",
@@ -43,18 +50,51 @@ __all__ = [
     "recording_loss_reductions",
     "clones_through_constructor",
     "model_keyword_arguments",
-    "names_used_by_overrides",
-    "overriding_classes",
-    "next_init_is_keras_model",
     "untracked_modules",
     "serialize_as",
     "get_keras_mask",
     "logs_for_reduction",
+    "steps_per_execution",
     "track_loss",
     "symbolic_build_from_local_batch",
-    "strategy_supports_no_merge_call",
     "SavedWithModel",
 ]
+
+# Reductions whose batch loss is one number a window can reproduce.
+LOSS_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight",
+                   "sum")
+
+# What a run of the train function raises when the data has run out.
+END_OF_DATA_ERRORS = (StopIteration,)
+
+STEPS_PER_EXECUTION_FIX = (
+    f"With keras {keras.__version__}, `steps_per_execution > 1` can run part "
+    "of a training step when the data runs out inside an execution, which "
+    "would leave a window half updated. Compile with steps_per_execution=1, "
+    "or upgrade: pip install 'keras>=3.8'"
+)
+
+
+class ModelDifferences:
+    """What the Keras 3 `AccumulatingModel` does unlike the Keras 2 one."""
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Overrides a private Keras hook; see `symbolic_build_from_local_batch`.
+        distributed = getattr(self, "_distribute_strategy", None) is not None
+        if (not self._window_policy.accumulates or not distributed
+                or iterator is None):
+            return super()._maybe_symbolic_build(iterator, data_batch)
+        symbolic_build_from_local_batch(self, iterator)
+
+
+def steps_per_execution(model):
+    return int(getattr(model, "steps_per_execution", 1) or 1)
+
+
+def functional_constructor_signature():
+    """None: Keras 3's `clone_model` accepts a constructor taking
+    `*args, **kwargs` as functional-like."""
+    return None
 
 
 def track_loss(model, loss, batch_size):
@@ -67,15 +107,6 @@ def track_loss(model, loss, batch_size):
     tracker = getattr(model, "_loss_tracker", None)
     if tracker is not None:
         tracker.update_state(loss, sample_weight=batch_size)
-
-
-def strategy_supports_no_merge_call():
-    """Whether the current strategy may run its updates without `merge_call`.
-
-    `tf.__internal__.distribute.strategy_supports_no_merge_call` is what
-    Keras's own optimizers consult for the same decision.
-    """
-    return tf.__internal__.distribute.strategy_supports_no_merge_call()
 
 
 def serialize_as(alias_class, registered_class):
@@ -180,27 +211,6 @@ def model_keyword_arguments(functional):
     return names
 
 
-def _is_keras_class(cls):
-    return cls.__module__.split(".")[0] == "keras" or cls is object
-
-
-def _next_init_class(model_class):
-    """The first class after AccumulatingModel in the MRO with an `__init__`."""
-    from accum_model.accumulating_model import AccumulatingModel
-
-    mro = model_class.__mro__
-    for cls in mro[mro.index(AccumulatingModel) + 1:]:
-        if "__init__" in cls.__dict__:
-            return cls
-    return object
-
-
-def next_init_is_keras_model(model_class):
-    """Whether the `__init__` after AccumulatingModel's is Keras's own."""
-    cls = _next_init_class(model_class)
-    return _is_keras_class(cls) or getattr(cls, "_accum_model_router", False)
-
-
 def clones_through_constructor(model_class):
     """Whether `keras.models.clone_model` rebuilds via `model_class(...)`.
 
@@ -210,47 +220,7 @@ def clones_through_constructor(model_class):
     """
     if next_init_is_keras_model(model_class):
         return True
-    return functional_like_constructor(_next_init_class(model_class))
-
-
-def overriding_classes(model_class, method_name, start_after=None,
-                       stop_at=None):
-    """Classes in `model_class`'s MRO, other than Keras's, that define a method.
-
-    Looks after `start_after` (if given) and before `stop_at` (if given).
-    """
-    mro = model_class.__mro__
-    if start_after is not None:
-        mro = mro[mro.index(start_after) + 1:]
-    found = []
-    for cls in mro:
-        if cls is stop_at or _is_keras_class(cls):
-            break
-        if method_name in cls.__dict__:
-            found.append(cls)
-    return found
-
-
-def names_used_by_overrides(model_class, method_name, stop_at):
-    """Global names used by user overrides of a Keras model method.
-
-    Walks `model_class`'s MRO up to `stop_at` (or to Keras's own classes)
-    and collects the names each override's code refers to, nested functions
-    included. Returns None when no class overrides the method.
-    """
-    overriding = overriding_classes(model_class, method_name, stop_at=stop_at)
-    if not overriding:
-        return None
-    names = set()
-    for cls in overriding:
-        method = cls.__dict__[method_name]
-        code = getattr(inspect.unwrap(method), "__code__", None)
-        codes = [code] if code is not None else []
-        while codes:
-            code = codes.pop()
-            names |= set(code.co_names)
-            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-    return names
+    return functional_like_constructor(next_init_class(model_class))
 
 
 def untracked_modules(model):
@@ -367,7 +337,7 @@ def executions_stop_cleanly_at_end_of_data():
     return hasattr(TensorFlowTrainer, "_make_function")
 
 
-class SavedWithModel(KerasSaveable, tf.__internal__.tracking.Trackable):
+class SavedWithModel(KerasSaveable, SavedInTfCheckpoints):
     """Base of a model attribute whose state every checkpoint carries.
 
     Keras files (`save_weights`, `.keras`, `ModelCheckpoint`,
@@ -376,12 +346,7 @@ class SavedWithModel(KerasSaveable, tf.__internal__.tracking.Trackable):
     `save_own_variables` / `load_own_variables` with an entry of its own;
     a file without that entry gives an empty one, and a model without the
     attribute never asks for it (a plain `keras.Model` loads such a file).
-    TensorFlow checkpoints: `tf.train.Checkpoint` follows the model's
-    trackable attributes and calls `_serialize_to_tensors` /
-    `_restore_from_tensors`, matching saved tensors by the names the object
-    serializes now, so those names must not depend on the state.
-    SavedModel export (`model.export`, `tf.saved_model.save`) leaves the
-    state out.
+    TensorFlow checkpoints: see `SavedInTfCheckpoints`.
 
     Subclasses implement `has_state()`, `saved_state()` (a dict of arrays,
     always with the same keys) and `restore_state(arrays)`. Keras files
@@ -401,21 +366,3 @@ class SavedWithModel(KerasSaveable, tf.__internal__.tracking.Trackable):
 
     def load_own_variables(self, store):
         self.restore_state({key: store[key] for key in store.keys()})
-
-    def _serialize_to_tensors(self):
-        if not tf.executing_eagerly():
-            # SavedModel export traces this in a graph: an exported model
-            # serves, it does not resume training, so it carries no state.
-            return {}
-        return {
-            key: tf.convert_to_tensor(value)
-            for key, value in self.saved_state().items()
-        }
-
-    def _restore_from_tensors(self, restored_tensors):
-        if not tf.executing_eagerly():
-            return tf.no_op()  # SavedModel export traces this too.
-        self.restore_state(
-            {key: value.numpy() for key, value in restored_tensors.items()}
-        )
-        return tf.no_op()

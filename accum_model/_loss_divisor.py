@@ -2,16 +2,15 @@
 
 A window is exact when each micro-batch's gradient is weighted by that
 divisor. It is read where Keras reduces each loss (see
-`_keras_private.recording_loss_reductions`), where every mask is known: the
+`private.recording_loss_reductions`), where every mask is known: the
 Keras mask on the prediction, the mask a loss makes itself (such as
 `ignore_class`), and the sample weights.
 """
 
 import tensorflow as tf
-from keras import tree
 
 from accum_model import _checks
-from accum_model import _keras_private
+from accum_model._adapter import private
 
 # A loss reduced with "sum" is divided by nothing: its window is the sum.
 SUM = "sum"
@@ -47,7 +46,7 @@ def reduction_of(values, sample_weight, mask, reduction):
     if reduction == "mean_with_sample_weight" and (
         sample_weight is not None or mask is not None
     ):
-        weights = _keras_private.merged_sample_weight(
+        weights = private.merged_sample_weight(
             values, sample_weight, mask, reduction
         )
         return Reduction(reduction, tf.reduce_sum(weights), may_vary=True)
@@ -60,7 +59,7 @@ def reduction_of(values, sample_weight, mask, reduction):
 
 def batch_size(x):
     """The number of samples in a batch of inputs `x`, as an int32 tensor."""
-    first_input = next(i for i in tree.flatten(x) if i is not None)
+    first_input = next(i for i in tf.nest.flatten(x) if i is not None)
     return tf.shape(first_input)[0]
 
 
@@ -119,11 +118,11 @@ def fallback_divisor(x, y_pred):
     Losses reduce the last axis of the prediction, so an element is one
     position of `y_pred.shape[:-1]`, or a valid one under a Keras mask.
     """
-    outputs = [o for o in tree.flatten(y_pred) if o is not None]
+    outputs = [o for o in tf.nest.flatten(y_pred) if o is not None]
     if not outputs:
         return tf.cast(batch_size(x), tf.float32)
     output = outputs[0]
-    mask = _keras_private.get_keras_mask(output)
+    mask = private.get_keras_mask(output)
     if mask is not None:
         return tf.reduce_sum(tf.cast(mask, tf.float32))
     shape = tf.shape(output)

@@ -1,4 +1,7 @@
-"""Everything that knows about `keras.optimizers.LossScaleOptimizer`.
+"""Everything that knows about Keras 3's `LossScaleOptimizer`.
+
+Keras 2's counterpart is `_keras2_private.LossScaling`, with the same
+methods.
 
 Keras 3's `LossScaleOptimizer` scales the loss with `scale_loss()` and
 unscales, checks and applies in one `apply()` call per step. A window spans
@@ -16,11 +19,14 @@ from accum_model._accumulator import is_overwritten_with_gradient
 
 
 class LossScaling:
-    """Loss-scaling duties for the optimizer a model was compiled with.
+    """The compiled Keras 3 optimizer's duties: loss scaling and apply.
 
     Args:
         optimizer: The compiled optimizer, a `LossScaleOptimizer` or not.
     """
+
+    # Keras 3 optimizers clip each replica's gradients, then sum them.
+    clips_before_summing_replicas = True
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
@@ -34,6 +40,15 @@ class LossScaling:
     @property
     def active(self):
         return self.loss_scale_optimizer is not None
+
+    def is_built(self):
+        return self.optimizer.built
+
+    def build(self, variables):
+        self.optimizer.build(variables)
+
+    def apply(self, gradients, variables):
+        self.update_optimizer.apply(gradients, variables)
 
     def current_scale(self):
         """The scale in force now, as a float32 tensor."""

@@ -19,9 +19,8 @@ qualified name, so names, name scopes and serialization are unchanged, and
 they are created once per class. No existing class is modified.
 """
 
-import keras
-
-from accum_model import _keras_private
+from accum_model._adapter import keras
+from accum_model._adapter import private
 
 _routed_classes = {}
 _functional_variants = {}
@@ -69,7 +68,7 @@ def functional_variant(cls):
     cls = requested_class(cls)
     variant = _functional_variants.get(cls)
     if variant is None:
-        variant = _subclass(cls, (cls, _keras_private.Functional))
+        variant = _subclass(cls, (cls, private.Functional))
         _functional_variants[cls] = variant
     return variant
 
@@ -83,7 +82,7 @@ def with_settings_for_clones(cls, settings):
     constructor fills in the settings the clone did not pass. Only done for
     classes that Keras clones through their constructor.
     """
-    if not settings or not _keras_private.clones_through_constructor(
+    if not settings or not private.clones_through_constructor(
         requested_class(cls)
     ):
         return cls
@@ -95,6 +94,12 @@ def with_settings_for_clones(cls, settings):
             for name, value in settings.items():
                 kwargs.setdefault(name, value)
             super(bound, self).__init__(*args, **kwargs)
+
+        # Keras 2's `clone_model` rebuilds through the constructor only if
+        # its signature is `Functional.__init__`'s.
+        signature = private.functional_constructor_signature()
+        if signature is not None:
+            __init__.__signature__ = signature
 
         bound = _subclass(cls, (cls,), namespace={"__init__": __init__})
         _settings_bound_variants[key] = bound
@@ -115,7 +120,7 @@ def accumulating_class(cls):
         accumulating = _subclass(
             cls, (AccumulatingModel, cls), generated=False,
             serialized_as=(AccumulatingModel
-                           if cls is _keras_private.Functional else cls),
+                           if cls is private.Functional else cls),
         )
         _accumulating_classes[cls] = accumulating
     return accumulating
@@ -134,7 +139,7 @@ def _subclass(like, bases, namespace=None, generated=True, serialized_as=None):
             **(namespace or {}),
         },
     )
-    _keras_private.serialize_as(subclass, serialized_as or like)
+    private.serialize_as(subclass, serialized_as or like)
     return subclass
 
 
@@ -146,8 +151,8 @@ class _FunctionalRouter(keras.Model):
     def __init__(self, *args, **kwargs):
         if is_functional_call(args, kwargs):
             self.__class__ = functional_variant(type(self))
-            _keras_private.Functional.__init__(self, *args, **kwargs)
+            private.Functional.__init__(self, *args, **kwargs)
         else:
-            if not isinstance(self, _keras_private.Functional):
+            if not isinstance(self, private.Functional):
                 self.__class__ = requested_class(type(self))
             keras.Model.__init__(self, *args, **kwargs)

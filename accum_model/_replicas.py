@@ -8,7 +8,6 @@ optimizer update taken under a condition). These helpers hide which.
 
 import tensorflow as tf
 
-from accum_model import _keras_private
 
 
 def for_each_replica(fn, *args):
@@ -87,7 +86,7 @@ def run_if(predicate, fn):
     `tf.cond` raises a RuntimeError under MirroredStrategy. `fn` must work in
     both contexts (see `for_each_replica`, `sum_over_replicas`).
     """
-    if _keras_private.strategy_supports_no_merge_call():
+    if _strategy_supports_no_merge_call():
         tf.cond(predicate, _returning_nothing(fn), _do_nothing)
         return
 
@@ -99,6 +98,15 @@ def run_if(predicate, fn):
     tf.distribute.get_replica_context().merge_call(
         cross_replica, args=(predicate,)
     )
+
+
+def _strategy_supports_no_merge_call():
+    """Whether the current strategy may run its updates without `merge_call`.
+
+    The TensorFlow-private function Keras's own optimizers (2 and 3)
+    consult for the same decision.
+    """
+    return tf.__internal__.distribute.strategy_supports_no_merge_call()
 
 
 def _returning_nothing(fn):

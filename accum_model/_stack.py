@@ -1,34 +1,52 @@
-"""Refuses, at import, a Keras/TensorFlow stack accum_model cannot run on.
+"""Finds the Keras this process trains with, or refuses the stack clearly.
 
-Each message names what was found, what is needed, and the command that
-fixes it, instead of an unrelated error later (or a model that trains
-nothing: Keras 2 layers inside a Keras 3 model).
+accum_model follows `tf.keras.Model`: Keras 3 (keras >= 3.6 on TensorFlow)
+or Keras 2 (TensorFlow 2.13-2.15's own Keras, or `tf_keras` with
+`TF_USE_LEGACY_KERAS=1`). Anything else is refused at import with what was
+found, what is needed, and the command that fixes it, instead of an
+unrelated error later (or a model that trains nothing).
 """
 
 import os
 
-# The oldest Keras whose every private detail in `_keras_private` was
-# checked (keras 3.6.0 with TensorFlow 2.16.2, in CI).
+# The oldest Keras 3 whose every private detail in `_keras_private` was
+# checked (keras 3.6.0 with TensorFlow 2.16.2, in CI), and the oldest
+# Keras 2 (TensorFlow 2.13's) that `_keras2_private` was written against.
 KERAS_FLOOR = (3, 6)
+KERAS_2_FLOOR = (2, 13)
+
+
+def legacy_keras_requested():
+    """Whether `TF_USE_LEGACY_KERAS` makes `tf.keras` the `tf_keras` package."""
+    return os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true")
 
 
 def check_stack():
-    """Raises ImportError unless Keras 3 >= the floor runs on TensorFlow."""
+    """Returns 2 or 3, the Keras behind `tf.keras`, or raises ImportError."""
+    if legacy_keras_requested():
+        return _check_tf_keras()
     try:
         import keras
     except ImportError as error:
         raise ImportError(
-            "accum_model needs Keras 3 on TensorFlow, and keras is not "
+            "accum_model needs Keras on TensorFlow, and keras is not "
             "installed. Fix: pip install 'keras>=3.6' tensorflow"
         ) from error
     found = getattr(keras, "__version__", "unknown")
     major_minor = _major_minor(found)
+    if major_minor is not None and major_minor[0] == 2:
+        if major_minor < KERAS_2_FLOOR:
+            raise ImportError(
+                f"accum_model needs Keras 2.13 or newer; found keras {found}. "
+                "Fix: pip install 'tensorflow>=2.13,<2.16', or Keras 3: pip "
+                "install 'keras>=3.6' 'tensorflow>=2.16'"
+            )
+        return 2
     if major_minor is None or major_minor < KERAS_FLOOR:
         raise ImportError(
-            f"accum_model needs Keras 3 (keras>=3.6); found keras {found}"
-            + (" (Keras 2, e.g. TensorFlow 2.15's own)"
-               if found.startswith("2.") else "")
-            + ". Fix: pip install 'keras>=3.6' 'tensorflow>=2.16'"
+            f"accum_model needs Keras 3.6 or newer (or Keras 2.13-2.15); "
+            f"found keras {found}. Fix: pip install 'keras>=3.6' "
+            "'tensorflow>=2.16'"
         )
     backend = keras.backend.backend()
     if backend != "tensorflow":
@@ -37,13 +55,30 @@ def check_stack():
             f"needs the Keras backend 'tensorflow'; found '{backend}'. Fix: "
             "export KERAS_BACKEND=tensorflow (and pip install tensorflow)"
         )
-    if os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true"):
+    return 3
+
+
+def _check_tf_keras():
+    try:
+        import tf_keras
+    except ImportError as error:
+        import tensorflow as tf
+
         raise ImportError(
-            "TF_USE_LEGACY_KERAS is set, so `tf.keras` is Keras 2 (tf_keras) "
-            "while accum_model is a Keras 3 model: Keras 2 layers inside it "
-            "would train nothing. Keras 2 is not supported. Fix: unset "
-            "TF_USE_LEGACY_KERAS and build the model with `keras` (Keras 3)."
+            "TF_USE_LEGACY_KERAS is set, so `tf.keras` is Keras 2 from the "
+            "tf_keras package, which is not installed. Fix: pip install "
+            f"'tf-keras~={_major_minor(tf.__version__)[0]}."
+            f"{_major_minor(tf.__version__)[1]}.0', or unset "
+            "TF_USE_LEGACY_KERAS to train with Keras 3"
+        ) from error
+    found = getattr(tf_keras, "__version__", "unknown")
+    major_minor = _major_minor(found)
+    if major_minor is None or major_minor[0] != 2:
+        raise ImportError(
+            f"TF_USE_LEGACY_KERAS is set and tf_keras {found} is not a "
+            "Keras 2. Fix: pip install tf-keras matching your TensorFlow"
         )
+    return 2
 
 
 def _major_minor(version):

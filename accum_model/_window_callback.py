@@ -3,7 +3,8 @@
 import inspect
 import math
 
-import keras
+from accum_model._adapter import keras
+from accum_model._adapter import private
 
 
 class WindowCallback(keras.callbacks.Callback):
@@ -55,14 +56,14 @@ class WindowCallback(keras.callbacks.Callback):
         """Wraps `train_function` to apply the window when data runs out.
 
         With data of unknown length Keras learns that the epoch ended when
-        a run of the train function finds no data (StopIteration): the
+        a run of the train function finds no data (StopIteration; OutOfRangeError in Keras 2): the
         window open then belongs to the epoch that ended.
         """
 
         def train_function_applying_open_window(iterator):
             try:
                 return train_function(iterator)
-            except StopIteration:
+            except private.END_OF_DATA_ERRORS:
                 if model.flush_each_epoch:
                     model.apply_open_window()
                 raise
@@ -76,7 +77,7 @@ class WindowCallback(keras.callbacks.Callback):
         if steps:
             # Keras runs whole executions of `steps_per_execution` steps, so
             # an epoch of known length may run up to the next multiple.
-            per_execution = int(getattr(model, "steps_per_execution", 1) or 1)
+            per_execution = private.steps_per_execution(model)
             steps = math.ceil(steps / per_execution) * per_execution
         model._start_epoch(steps, epoch)
 

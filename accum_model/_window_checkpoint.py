@@ -4,7 +4,7 @@ A checkpoint taken between two updates holds the weights and optimizer state
 of the last update; without the window, the micro-batches seen since then
 would be lost on resume. `WindowCheckpoint` is an attribute of the model that
 Keras files and TensorFlow checkpoints both carry (see
-`_keras_private.SavedWithModel`). It saves the window as the whole window:
+`private.SavedWithModel`). It saves the window as the whole window:
 accumulators and weight sums summed over replicas, counters as they are.
 
 Restoring writes each replica an equal share of the sums, so that they add up
@@ -19,7 +19,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from accum_model import _keras_private
+from accum_model._adapter import private
 
 # Counters saved with the window, in the order of the "counters" array. The
 # windows after the open one take the loading model's length, so only the
@@ -30,7 +30,7 @@ _COUNTERS = ("weight_sum", "sample_sum", "micro_steps", "skipped_windows",
 _SUMMED = ("weight_sum", "sample_sum")
 
 
-class WindowCheckpoint(_keras_private.SavedWithModel):
+class WindowCheckpoint(private.SavedWithModel):
     """Saves and restores the window of `model`.
 
     Args:

@@ -44,11 +44,14 @@ class WindowEnd:
     def for_model(cls, window, loss_scaling, model):
         """The window end of `model`'s compiled set-up."""
         strategy = model.distribute_strategy
-        # Keras clips each replica's gradients before summing them over
+        # Keras 3 clips each replica's gradients before summing them over
         # replicas; to clip the window's gradient as one device would, it is
         # summed first (one more reduction per window, only in this case).
         update_optimizer = loss_scaling.update_optimizer
-        reduce_before_clipping = strategy.num_replicas_in_sync > 1 and any(
+        reduce_before_clipping = (
+            loss_scaling.clips_before_summing_replicas
+            and strategy.num_replicas_in_sync > 1
+        ) and any(
             getattr(update_optimizer, name, None) is not None
             for name in ("clipnorm", "clipvalue", "global_clipnorm")
         )
@@ -110,9 +113,7 @@ class WindowEnd:
         ]
         if not pairs:
             return
-        self.loss_scaling.update_optimizer.apply(
-            [g for g, _ in pairs], [v for _, v in pairs]
-        )
+        self.loss_scaling.apply([g for g, _ in pairs], [v for _, v in pairs])
 
     def apply_open(self):
         """Applies the window if it holds micro steps (eagerly called)."""

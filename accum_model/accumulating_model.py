@@ -2,16 +2,15 @@
 
 import warnings
 
-import keras
 import tensorflow as tf
 
 from accum_model import _checks
-from accum_model import _keras_private
 from accum_model import _loss_divisor
 from accum_model import _model_classes
 from accum_model import _replicas
 from accum_model._accumulator import GradientWindow
-from accum_model._loss_scaling import LossScaling
+from accum_model._adapter import keras
+from accum_model._adapter import private
 from accum_model._window_callback import WindowCallback
 from accum_model._window_checkpoint import WindowCheckpoint
 from accum_model._window_end import WindowEnd
@@ -26,8 +25,12 @@ SETTINGS = {"n_gradients": 1, "flush_each_epoch": True,
 
 
 @keras.saving.register_keras_serializable(package="accum_model")
-class AccumulatingModel(keras.Model):
+class AccumulatingModel(private.ModelDifferences, keras.Model):
     """A `keras.Model` that applies one update per `n_gradients` micro-batches.
+
+    The base class is `tf.keras.Model` of the running process: Keras 3, or
+    Keras 2 (TensorFlow 2.13-2.15's own, or `tf_keras` with
+    `TF_USE_LEGACY_KERAS=1`), with the same behaviour.
 
     Each call of `train_step` (one micro-batch, one *micro step*) adds the
     micro-batch's gradient to float32 accumulators, weighted by what Keras
@@ -145,7 +148,7 @@ class AccumulatingModel(keras.Model):
 
     def _keep_settings_in_clones(self):
         """Gives a functional instance the class `clone_model` needs."""
-        if not isinstance(self, _keras_private.Functional):
+        if not isinstance(self, private.Functional):
             return
         self.__class__ = _model_classes.with_settings_for_clones(
             type(self),
@@ -304,13 +307,6 @@ class AccumulatingModel(keras.Model):
             self, _model_classes.requested_class(type(self))
         )
 
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # Overrides a private Keras hook; see `_keras_private`.
-        distributed = getattr(self, "_distribute_strategy", None) is not None
-        if not self._window_policy.accumulates or not distributed or iterator is None:
-            return super()._maybe_symbolic_build(iterator, data_batch)
-        _keras_private.symbolic_build_from_local_batch(self, iterator)
-
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
@@ -331,7 +327,7 @@ class AccumulatingModel(keras.Model):
 
     def _settle_configuration(self):
         """Decides, once per compiled set-up, how windows are applied."""
-        self._loss_scaling = LossScaling(self.optimizer)
+        self._loss_scaling = private.LossScaling(self.optimizer)
         if self._gradient_window is not None:
             self._window_end = self._make_window_end(self._gradient_window)
 
@@ -352,7 +348,7 @@ class AccumulatingModel(keras.Model):
             warnings.warn("The model does not have any trainable weights.")
         window = self._gradient_window
         if (window is not None and window.matches(variables)
-                and self.optimizer.built):
+                and self._loss_scaling.is_built()):
             return
         _replicas.in_cross_replica_context(
             lambda: self._build_training_state(variables)
@@ -362,9 +358,9 @@ class AccumulatingModel(keras.Model):
         with tf.init_scope():
             _checks.check_no_window_left_open(self, variables)
             strategy = self.distribute_strategy
-            if not self.optimizer.built:
+            if not self._loss_scaling.is_built():
                 with strategy.scope():
-                    self.optimizer.build(variables)
+                    self._loss_scaling.build(variables)
             window = self._gradient_window
             if window is None or not window.matches(variables):
                 policy = self._window_policy
@@ -406,9 +402,9 @@ class AccumulatingModel(keras.Model):
             y_pred = self(x, training=True)
             # This replica's own mean loss, never divided by the replicas:
             # the window end divides by the whole window's weight instead.
-            with _keras_private.losses_not_divided_by_replicas(), \
-                    _keras_private.recording_loss_reductions() as reductions:
-                loss = _keras_private.compute_loss(
+            with private.losses_not_divided_by_replicas(), \
+                    private.recording_loss_reductions() as reductions:
+                loss = private.compute_loss(
                     self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight
                 )
             self._traced_loss_reductions = reductions
@@ -418,7 +414,7 @@ class AccumulatingModel(keras.Model):
         gradients = tape.gradient(scaled_loss, window.trainable_variables)
         gradients = self.get_unscaled_gradients(gradients)
         batch_size = _loss_divisor.batch_size(x)
-        _keras_private.track_loss(self, loss, batch_size)
+        private.track_loss(self, loss, batch_size)
 
         # The loss is a mean over `weight` elements; multiplying it back
         # gives the gradient of the summed loss, which the window end
@@ -432,7 +428,7 @@ class AccumulatingModel(keras.Model):
         if self._window_end.checks_finite:
             # An overflow must never pass silently: show the count.
             logs = {**logs, "skipped_windows": window.skipped_windows.value()}
-        return _keras_private.logs_for_reduction(
+        return private.logs_for_reduction(
             logs, self.distribute_strategy
         )
 

@@ -1,0 +1,73 @@
+"""Questions about a model class's MRO, the same for every Keras.
+
+Which classes override a Keras method, what their code refers to, and which
+`__init__` comes after AccumulatingModel's. Keras's own classes live in the
+`keras` package (Keras 3, and TensorFlow 2.13-2.15's Keras 2) or in
+`tf_keras`.
+"""
+
+import inspect
+import types
+
+_KERAS_PACKAGES = ("keras", "tf_keras")
+
+
+def is_keras_class(cls):
+    return cls.__module__.split(".")[0] in _KERAS_PACKAGES or cls is object
+
+
+def next_init_class(model_class):
+    """The first class after AccumulatingModel in the MRO with an `__init__`."""
+    from accum_model.accumulating_model import AccumulatingModel
+
+    mro = model_class.__mro__
+    for cls in mro[mro.index(AccumulatingModel) + 1:]:
+        if "__init__" in cls.__dict__:
+            return cls
+    return object
+
+
+def next_init_is_keras_model(model_class):
+    """Whether the `__init__` after AccumulatingModel's is Keras's own."""
+    cls = next_init_class(model_class)
+    return is_keras_class(cls) or getattr(cls, "_accum_model_router", False)
+
+
+def overriding_classes(model_class, method_name, start_after=None,
+                       stop_at=None):
+    """Classes in `model_class`'s MRO, other than Keras's, that define a method.
+
+    Looks after `start_after` (if given) and before `stop_at` (if given).
+    """
+    mro = model_class.__mro__
+    if start_after is not None:
+        mro = mro[mro.index(start_after) + 1:]
+    found = []
+    for cls in mro:
+        if cls is stop_at or is_keras_class(cls):
+            break
+        if method_name in cls.__dict__:
+            found.append(cls)
+    return found
+
+
+def names_used_by_overrides(model_class, method_name, stop_at):
+    """Global names used by user overrides of a Keras model method.
+
+    Walks `model_class`'s MRO up to `stop_at` (or to Keras's own classes)
+    and collects the names each override's code refers to, nested functions
+    included. Returns None when no class overrides the method.
+    """
+    overriding = overriding_classes(model_class, method_name, stop_at=stop_at)
+    if not overriding:
+        return None
+    names = set()
+    for cls in overriding:
+        method = cls.__dict__[method_name]
+        code = getattr(inspect.unwrap(method), "__code__", None)
+        codes = [code] if code is not None else []
+        while codes:
+            code = codes.pop()
+            names |= set(code.co_names)
+            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return names
