@@ -18,7 +18,8 @@ tf.config.set_logical_device_configuration(
 
 @pytest.fixture(autouse=True)
 def float32_policy():
-    """Every test starts and ends under the float32 policy."""
+    """Every test starts and ends under the float32 policy (of `keras`, and
+    of `tf.keras` where that is Keras 2)."""
     keras.mixed_precision.set_global_policy("float32")
     yield
     keras.mixed_precision.set_global_policy("float32")

@@ -1,0 +1,457 @@
+"""Keras 2: the same promise on `tf.keras` 2 (tf_keras, or TF 2.13-2.15's).
+
+Runs where `tf.keras` is Keras 2: `.ci/matrix` runs it with
+`TF_USE_LEGACY_KERAS=1` on tensorflow-cpu 2.21.0 + tf-keras 2.21.0, and on
+tensorflow-cpu 2.15.1. Elsewhere the whole module is skipped. Every model
+here is built from `tf.keras`, and every reference is plain Keras 2 with the
+large batch.
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from accum_model import AccumulatingModel
+from accum_model import _adapter
+from accum_model import accumulating
+
+pytestmark = pytest.mark.skipif(
+    _adapter.KERAS_MAJOR != 2, reason="tf.keras is not Keras 2 here"
+)
+
+keras = tf.keras
+TOLERANCE = 1e-5
+
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.1),
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
+    "adam_clipnorm": lambda: keras.optimizers.Adam(0.01, clipnorm=0.05),
+    "sgd_global_clipnorm": lambda: keras.optimizers.SGD(
+        0.1, global_clipnorm=0.05),
+    "adam_schedule": lambda: keras.optimizers.Adam(
+        keras.optimizers.schedules.ExponentialDecay(0.02, 1, 0.5)),
+    "legacy_sgd_momentum": lambda: keras.optimizers.legacy.SGD(
+        0.1, momentum=0.9),
+}
+
+
+@pytest.fixture(autouse=True)
+def keras_2_float32_policy():
+    keras.mixed_precision.set_global_policy("float32")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def regression_data(samples=100, features=6, outputs=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(samples, features)).astype("float32")
+    w = rng.normal(size=(features, outputs)).astype("float32")
+    y = np.tanh(x @ w) + 0.1 * rng.normal(size=(samples, outputs))
+    return x, y.astype("float32")
+
+
+def mlp(model_class, **kwargs):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    outputs = keras.layers.Dense(3)(hidden)
+    return model_class(inputs=inputs, outputs=outputs, **kwargs)
+
+
+def iterations(model):
+    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+    return int(optimizer.iterations.numpy())
+
+
+def max_weight_difference(model_a, model_b):
+    return max(
+        float(np.max(np.abs(a - b)))
+        for a, b in zip(model_a.get_weights(), model_b.get_weights())
+    )
+
+
+def fit_both(make_optimizer, x, y, micro_batch=8, n_gradients=4, epochs=2,
+             build=mlp, strategy=None, loss="mse", fit_kwargs=None):
+    """Plain Keras 2 on batches of n*b; an AccumulatingModel on b."""
+    fit_kwargs = fit_kwargs or {}
+    plain = build(keras.Model)
+    plain.compile(optimizer=make_optimizer(), loss=loss)
+    plain.fit(x, y, batch_size=micro_batch * n_gradients, epochs=epochs,
+              shuffle=False, verbose=0, **fit_kwargs)
+    scope = strategy.scope() if strategy else _no_scope()
+    with scope:
+        model = build(AccumulatingModel, n_gradients=n_gradients)
+        model.compile(optimizer=make_optimizer(), loss=loss)
+    model.fit(x, y, batch_size=micro_batch, epochs=epochs, shuffle=False,
+              verbose=0, **fit_kwargs)
+    return plain, model
+
+
+class _no_scope:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# Contract ---------------------------------------------------------------
+
+def test_accumulating_model_is_the_processes_keras_2_model():
+    assert issubclass(AccumulatingModel, keras.Model)
+    model = mlp(AccumulatingModel, n_gradients=4)
+    assert isinstance(model, keras.Model)
+    assert model.n_gradients == 4
+
+
+def test_bad_n_gradients_is_refused_by_name():
+    with pytest.raises(ValueError, match="n_gradients"):
+        mlp(AccumulatingModel, n_gradients=0)
+    with pytest.raises(TypeError, match="n_gradients"):
+        mlp(AccumulatingModel, n_gradient=4)
+
+
+def test_loss_without_reduction_is_refused_before_training():
+    x, y = regression_data()
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(
+        reduction="none"))
+    before = model.get_weights()
+    with pytest.raises(ValueError, match="reduction"):
+        model.fit(x, y, batch_size=8, verbose=0)
+    assert all(np.array_equal(a, b)
+               for a, b in zip(before, model.get_weights()))
+
+
+# Exactness --------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_window_equals_the_large_batch(name):
+    # 100 samples: the last micro-batch of each epoch holds 4 samples.
+    x, y = regression_data(samples=100)
+    plain, model = fit_both(OPTIMIZERS[name], x, y)
+    assert iterations(model) == iterations(plain) == 8
+    assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+def test_sample_weights_equal_the_large_batch():
+    x, y = regression_data(samples=100)
+    weights = np.random.default_rng(3).uniform(0, 2, size=100)
+    plain, model = fit_both(OPTIMIZERS["adam"], x, y,
+                            fit_kwargs={"sample_weight": weights})
+    assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+def test_sum_reduction_equals_the_large_batch():
+    x, y = regression_data(samples=96)
+    loss = keras.losses.MeanSquaredError(reduction="sum")
+    # A summed loss has gradients ~100x the mean's: a smaller step.
+    plain, model = fit_both(lambda: keras.optimizers.SGD(0.001), x, y,
+                            loss=loss)
+    assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+def _padded_sequences(samples=48, steps=7, seed=0):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, steps + 1, size=samples)
+    tokens = rng.integers(1, 20, size=(samples, steps))
+    tokens[np.arange(steps)[None, :] >= lengths[:, None]] = 0
+    targets = rng.normal(size=(samples, steps, 1)).astype("float32")
+    return tokens.astype("int32"), targets
+
+
+def _masked_lstm(model_class, **kwargs):
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((None,), dtype="int32")
+    embedded = keras.layers.Embedding(20, 4, mask_zero=True)(inputs)
+    hidden = keras.layers.LSTM(5, return_sequences=True)(embedded)
+    outputs = keras.layers.Dense(1)(hidden)
+    return model_class(inputs=inputs, outputs=outputs, **kwargs)
+
+
+def test_masked_sequences_weigh_micro_batches_by_valid_steps():
+    x, y = _padded_sequences()
+    plain, model = fit_both(OPTIMIZERS["sgd"], x, y, micro_batch=6,
+                            n_gradients=4, build=_masked_lstm)
+    assert iterations(model) == iterations(plain) == 4
+    assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+class _Net(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+
+class _AccumulatingNet(AccumulatingModel):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+
+def test_subclassed_model_equals_the_large_batch_after_functional_use():
+    # A functional AccumulatingModel first: Keras 2 would inject
+    # `Functional` into the class's bases, breaking subclasses built later.
+    mlp(AccumulatingModel, n_gradients=2)
+    x, y = regression_data(samples=100)
+    keras.utils.set_random_seed(1)
+    plain = _Net()
+    plain.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    plain(x[:1])
+    model = _AccumulatingNet(n_gradients=4)
+    model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    model(x[:1])
+    model.set_weights(plain.get_weights())
+    plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert iterations(model) == iterations(plain) == 8
+    assert max_weight_difference(plain, model) <= TOLERANCE
+    assert AccumulatingModel.__bases__[-1] is keras.Model
+
+
+def test_accumulating_makes_an_existing_model_accumulate():
+    x, y = regression_data(samples=100)
+    plain = mlp(keras.Model)
+    plain.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    model = accumulating(mlp(keras.Model), n_gradients=4)
+    model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert isinstance(model, AccumulatingModel)
+    assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+# Epochs -----------------------------------------------------------------
+
+def test_window_carried_over_epochs_equals_its_samples_in_one_batch():
+    # 13 micro-batches per epoch (the last of 4 samples), windows of 4
+    # carried over: 26 micro-batches make windows of 4 x 6 and one of 2,
+    # applied at the end of training.
+    x, y = regression_data(samples=100)
+    model = mlp(AccumulatingModel, n_gradients=4, flush_each_epoch=False)
+    model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+
+    micro_batches = [np.arange(i, min(i + 8, 100)) for i in range(0, 100, 8)]
+    micro_batches = micro_batches * 2
+    reference = mlp(keras.Model)
+    reference.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    for start in range(0, len(micro_batches), 4):
+        window = np.concatenate(micro_batches[start:start + 4])
+        reference.train_on_batch(x[window], y[window])
+    assert iterations(model) == iterations(reference) == 7
+    assert max_weight_difference(model, reference) <= TOLERANCE
+
+
+def test_data_of_unknown_length_applies_the_last_window():
+    x, y = regression_data(samples=100)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    unknown = dataset.filter(lambda a, b: True)
+    plain = mlp(keras.Model)
+    plain.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    model.fit(unknown, epochs=2, verbose=0)
+    assert iterations(model) == 8
+    assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+def test_steps_per_execution_is_refused_by_name():
+    x, y = regression_data()
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    with pytest.raises(ValueError, match="steps_per_execution=1"):
+        model.fit(x, y, batch_size=8, verbose=0)
+
+
+# Distribution -----------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adam_clipnorm",
+                                  "sgd_global_clipnorm"])
+def test_two_replicas_equal_one_device_large_batch(name, two_replicas):
+    # The last micro-batch (4 samples) splits 2 + 2.
+    x, y = regression_data(samples=100)
+    plain, model = fit_both(OPTIMIZERS[name], x, y, strategy=two_replicas)
+    assert iterations(model) == iterations(plain) == 8
+    assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+def test_masked_sequences_under_two_replicas(two_replicas):
+    x, y = _padded_sequences()
+    plain, model = fit_both(OPTIMIZERS["sgd"], x, y, micro_batch=6,
+                            n_gradients=4, build=_masked_lstm,
+                            strategy=two_replicas)
+    assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+# Mixed precision ----------------------------------------------------------
+
+def _under_mixed_float16(function, *args, **kwargs):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        return function(*args, **kwargs)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_mixed_float16_equals_the_mixed_large_batch(name, replicas,
+                                                    two_replicas):
+    x, y = regression_data(samples=96)
+    strategy = two_replicas if replicas == 2 else None
+    plain, model = _under_mixed_float16(fit_both, OPTIMIZERS[name], x, y,
+                                        strategy=strategy)
+    assert isinstance(model.optimizer,
+                      keras.mixed_precision.LossScaleOptimizer)
+    assert iterations(model) == iterations(plain) == 6
+    # float16 rounds the large batch's own gradient: its distance from
+    # float32 sets the scale of "equal". A gradient left scaled, or scaled
+    # twice, misses it by orders of magnitude.
+    float32_plain, _ = fit_both(OPTIMIZERS[name], x, y)
+    rounding = max_weight_difference(plain, float32_plain)
+    assert max_weight_difference(plain, model) <= 2 * rounding + 1e-6
+    assert float(model.optimizer.loss_scale) == float(plain.optimizer.loss_scale)
+
+
+def _data_with_overflow_in_second_window():
+    x, y = regression_data(samples=64)
+    y = y.copy()
+    # Sample 41 is in micro-batch 6 (of 8), the second window: its squared
+    # error overflows float16.
+    y[41] = 1e4
+    return x, y
+
+
+def test_overflowing_window_is_skipped_whole():
+    x, y = _data_with_overflow_in_second_window()
+
+    def train(samples):
+        model = mlp(AccumulatingModel, n_gradients=4)
+        model.compile(
+            optimizer=keras.mixed_precision.LossScaleOptimizer(
+                OPTIMIZERS["adam"](), dynamic_growth_steps=2),
+            loss="mse",
+        )
+        history = model.fit(x[:samples], y[:samples], batch_size=8,
+                            epochs=1, shuffle=False, verbose=0)
+        return model, history
+
+    model, history = _under_mixed_float16(train, 64)
+    first_window_only, _ = _under_mixed_float16(train, 32)
+    assert iterations(model) == 1
+    assert model.skipped_windows == 1
+    assert history.history["skipped_windows"] == [1]
+    # One update, then one overflow: Keras 2's own rule halves the scale.
+    assert float(model.optimizer.loss_scale) == 2.0**15 / 2
+    assert int(model.optimizer.dynamic_counter.numpy()) == 0
+    assert float(first_window_only.optimizer.loss_scale) == 2.0**15
+    assert max_weight_difference(model, first_window_only) == 0.0
+
+
+def test_loss_scale_grows_with_updates_not_micro_batches():
+    x, y = regression_data(samples=128)
+
+    def train():
+        model = mlp(AccumulatingModel, n_gradients=4)
+        model.compile(
+            optimizer=keras.mixed_precision.LossScaleOptimizer(
+                OPTIMIZERS["sgd"](), initial_scale=2.0**8,
+                dynamic_growth_steps=2),
+            loss="mse",
+        )
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        return model
+
+    model = _under_mixed_float16(train)
+    # 16 micro-batches, 4 updates: the scale doubles after updates 2 and 4.
+    assert iterations(model) == 4
+    assert float(model.optimizer.loss_scale) == 2.0**10
+
+
+# Saving and resuming ------------------------------------------------------
+
+def test_keras_file_keeps_the_settings(tmp_path):
+    model = mlp(AccumulatingModel, n_gradients={0: 2, 3: 4},
+                flush_each_epoch=False, accumulator_dtype="float64")
+    model.compile(optimizer="adam", loss="mse")
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded, AccumulatingModel)
+    assert loaded.n_gradients == {0: 2, 3: 4}
+    assert loaded.flush_each_epoch is False
+    assert loaded.accumulator_dtype == "float64"
+    assert max_weight_difference(model, loaded) == 0.0
+
+
+def test_clone_keeps_the_settings():
+    model = mlp(AccumulatingModel, n_gradients=4, flush_each_epoch=False)
+    clone = keras.models.clone_model(model)
+    assert isinstance(clone, AccumulatingModel)
+    assert clone.n_gradients == 4
+    assert clone.flush_each_epoch is False
+
+
+def _train_micro_batches(model, x, y, start, stop):
+    for i in range(start, stop):
+        model.train_on_batch(x[8 * i:8 * i + 8], y[8 * i:8 * i + 8])
+
+
+@pytest.mark.parametrize("how", ["save_weights", "checkpoint"])
+def test_resume_from_the_middle_of_a_window_is_exact(how, tmp_path):
+    x, y = regression_data(samples=80)
+
+    def fresh():
+        model = mlp(AccumulatingModel, n_gradients=4)
+        model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+        return model
+
+    reference = fresh()
+    _train_micro_batches(reference, x, y, 0, 10)
+    reference.apply_open_window()
+
+    first = fresh()
+    _train_micro_batches(first, x, y, 0, 6)
+    assert first._open_micro_steps() == 2
+    path = str(tmp_path / "ckpt")
+    resumed = fresh()
+    # Variables exist before restoring: build the window and the optimizer.
+    resumed.train_on_batch(x[:0], y[:0])
+    if how == "save_weights":
+        first.save_weights(path)
+        resumed.load_weights(path)
+    else:
+        tf.train.Checkpoint(model=first).write(path)
+        tf.train.Checkpoint(model=resumed).read(path).expect_partial()
+    assert resumed._open_micro_steps() == 2
+    _train_micro_batches(resumed, x, y, 6, 10)
+    resumed.apply_open_window()
+    assert iterations(resumed) == iterations(reference) == 3
+    assert max_weight_difference(resumed, reference) <= TOLERANCE
+
+
+def test_h5_file_with_a_window_open_warns(tmp_path):
+    x, y = regression_data(samples=80)
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer="adam", loss="mse")
+    _train_micro_batches(model, x, y, 0, 2)
+    with pytest.warns(UserWarning, match="apply_open_window"):
+        model.save_weights(str(tmp_path / "w.h5"))
+    model.apply_open_window()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model.save_weights(str(tmp_path / "w2.h5"))
