@@ -60,6 +60,7 @@ def check_strategy(strategy):
         tf.distribute.experimental.ParameterServerStrategy,
         tf.distribute.experimental.CentralStorageStrategy,
     )
+    private.check_strategy(strategy)
     if isinstance(strategy, unsupported):
         raise ValueError(
             "AccumulatingModel supports the default strategy, "

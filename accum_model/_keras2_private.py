@@ -21,8 +21,9 @@ Where Keras 2 differs from Keras 3:
   format, `tf.train.Checkpoint`, `BackupAndRestore`) carry the window;
   a Keras 2 `.keras` or `.h5` file cannot, and saving one with a window
   open warns;
-* the training loop ends data with `tf.errors.OutOfRangeError`, and keeps
-  `steps_per_execution` in a variable.
+* the training loop ends data with `tf.errors.OutOfRangeError`, keeps
+  `steps_per_execution` in a variable and shortens an epoch's last
+  execution to the steps left.
 
 Checked (the Keras 2 tests, `tests/test_keras2.py`, in `.ci/matrix`) on
 tf_keras 2.21.0 / TF 2.21.0 with `TF_USE_LEGACY_KERAS=1`, and on keras
@@ -63,10 +64,7 @@ LOSS_REDUCTIONS = ("auto", "sum_over_batch_size", "sum")
 # What a run of the train function raises when the data has run out.
 END_OF_DATA_ERRORS = (StopIteration, tf.errors.OutOfRangeError)
 
-STEPS_PER_EXECUTION_FIX = (
-    "accum_model does not run Keras 2 executions of several steps yet. "
-    "Compile with steps_per_execution=1, or use Keras 3"
-)
+STEPS_PER_EXECUTION_FIX = ""  # Keras 2 executions stop between steps.
 
 
 class ModelDifferences:
@@ -176,6 +174,19 @@ class LossScaling:
         self.update_optimizer.apply_gradients(zip(gradients, variables))
 
 
+def check_strategy(strategy):
+    """Refuses the strategies the Keras 2 adapter was not checked under."""
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        raise ValueError(
+            "AccumulatingModel on Keras 2 supports the default strategy, "
+            "OneDeviceStrategy and MirroredStrategy; several workers "
+            "(MultiWorkerMirroredStrategy) need Keras 3: unset "
+            "TF_USE_LEGACY_KERAS, or pip install 'keras>=3.6' "
+            "'tensorflow>=2.16'. Received: distribute_strategy="
+            f"{strategy.__class__.__name__}"
+        )
+
+
 def compute_loss(model, **arguments):
     return model.compute_loss(**arguments)
 
@@ -187,7 +198,17 @@ def steps_per_execution(model):
 
 
 def executions_stop_cleanly_at_end_of_data():
-    return False
+    """True: Keras 2's train function of several steps loops
+    `for _ in tf.range(steps_per_execution)` over whole steps, each asking
+    the iterator for its data before anything else of it runs."""
+    return True
+
+
+def micro_steps_in_epoch(steps, steps_per_execution):
+    """Steps an epoch of `steps` runs: Keras 2's `DataHandler` shortens the
+    epoch's last execution to the steps left."""
+    del steps_per_execution
+    return steps
 
 
 def get_keras_mask(tensor):

@@ -23,6 +23,7 @@ Checked (the tests that exercise each helper pass, `.ci/matrix`) on:
 
 import contextlib
 import inspect
+import math
 
 import keras
 import tensorflow as tf
@@ -87,8 +88,19 @@ class ModelDifferences:
         symbolic_build_from_local_batch(self, iterator)
 
 
+def check_strategy(strategy):
+    """Every strategy `_checks.check_strategy` admits runs on Keras 3."""
+    del strategy
+
+
 def steps_per_execution(model):
     return int(getattr(model, "steps_per_execution", 1) or 1)
+
+
+def micro_steps_in_epoch(steps, steps_per_execution):
+    """Steps an epoch of `steps` runs: Keras 3 runs whole executions, so up
+    to the next multiple of `steps_per_execution`."""
+    return math.ceil(steps / steps_per_execution) * steps_per_execution
 
 
 def functional_constructor_signature():

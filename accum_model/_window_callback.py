@@ -1,7 +1,6 @@
 """The callbacks that tie windows to `fit()`'s epochs, validation and logs."""
 
 import inspect
-import math
 
 from accum_model._adapter import keras
 from accum_model._adapter import private
@@ -75,10 +74,9 @@ class WindowCallback(keras.callbacks.Callback):
         model = self.accumulating_model
         steps = self.params.get("steps") if self.params else None
         if steps:
-            # Keras runs whole executions of `steps_per_execution` steps, so
-            # an epoch of known length may run up to the next multiple.
-            per_execution = private.steps_per_execution(model)
-            steps = math.ceil(steps / per_execution) * per_execution
+            steps = private.micro_steps_in_epoch(
+                steps, private.steps_per_execution(model)
+            )
         model._start_epoch(steps, epoch)
 
     def on_test_begin(self, logs=None):

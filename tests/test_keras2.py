@@ -146,6 +146,19 @@ def test_sample_weights_equal_the_large_batch():
     assert max_weight_difference(plain, model) <= TOLERANCE
 
 
+def test_run_eagerly_equals_the_large_batch():
+    x, y = regression_data(samples=100)
+    plain = mlp(keras.Model)
+    plain.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse",
+                  run_eagerly=True)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert iterations(model) == 8
+    assert max_weight_difference(plain, model) <= TOLERANCE
+
+
 def test_sum_reduction_equals_the_large_batch():
     x, y = regression_data(samples=96)
     loss = keras.losses.MeanSquaredError(reduction="sum")
@@ -219,14 +232,26 @@ def test_subclassed_model_equals_the_large_batch_after_functional_use():
     assert iterations(model) == iterations(plain) == 8
     assert max_weight_difference(plain, model) <= TOLERANCE
     assert AccumulatingModel.__bases__[-1] is keras.Model
+    assert not issubclass(AccumulatingModel, type(mlp(keras.Model)))
 
 
-def test_accumulating_makes_an_existing_model_accumulate():
+def _sequential(model_class):
+    assert model_class is keras.Model
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(8, activation="tanh"),
+        keras.layers.Dense(3),
+    ])
+
+
+@pytest.mark.parametrize("build", [mlp, _sequential])
+def test_accumulating_makes_an_existing_model_accumulate(build):
     x, y = regression_data(samples=100)
-    plain = mlp(keras.Model)
+    plain = build(keras.Model)
     plain.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
     plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-    model = accumulating(mlp(keras.Model), n_gradients=4)
+    model = accumulating(build(keras.Model), n_gradients=4)
     model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
     model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     assert isinstance(model, AccumulatingModel)
@@ -269,12 +294,91 @@ def test_data_of_unknown_length_applies_the_last_window():
     assert max_weight_difference(plain, model) <= TOLERANCE
 
 
-def test_steps_per_execution_is_refused_by_name():
-    x, y = regression_data()
+@pytest.mark.parametrize("repeated", [False, True])
+@pytest.mark.parametrize("steps_per_execution", [2, 3])
+def test_executions_of_several_steps_equal_the_large_batch(
+        repeated, steps_per_execution):
+    # 13 micro-batches per epoch: executions end inside windows, and the
+    # epoch's last execution is shorter. (Keras 2 itself refuses data of
+    # unknown length with steps_per_execution > 1.)
+    x, y = regression_data(samples=100)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    fit_kwargs = {}
+    if repeated:
+        dataset = dataset.repeat()
+        fit_kwargs = {"steps_per_epoch": 13}
+    plain = mlp(keras.Model)
+    plain.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     model = mlp(AccumulatingModel, n_gradients=4)
-    model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
-    with pytest.raises(ValueError, match="steps_per_execution=1"):
-        model.fit(x, y, batch_size=8, verbose=0)
+    model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse",
+                  steps_per_execution=steps_per_execution)
+    model.fit(dataset, epochs=2, verbose=0, **fit_kwargs)
+    assert iterations(model) == 8
+    assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+def test_schedule_trains_each_epoch_like_its_large_batch():
+    x, y = regression_data(samples=96)
+    model = mlp(AccumulatingModel, n_gradients={1: 2, 2: 4})
+    model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+    reference = mlp(keras.Model)
+    reference.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    for batch_size in (8, 16, 32):
+        reference.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False,
+                      verbose=0)
+    assert iterations(model) == iterations(reference) == 12 + 6 + 3
+    assert max_weight_difference(model, reference) <= TOLERANCE
+
+
+class _UpdateMarks(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.marked = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.update_applied:
+            self.marked.append(batch)
+
+
+def test_update_signal_marks_the_last_micro_batch_of_each_window():
+    x, y = regression_data(samples=80)
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer="sgd", loss="mse")
+    marks = _UpdateMarks()
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+              callbacks=[marks])
+    # 10 micro-batches: windows end at 3 and 7, and at 9 with the epoch.
+    assert marks.marked == [3, 7, 9]
+    assert iterations(model) == 3
+
+
+def test_validation_sees_the_epochs_last_window():
+    x, y = regression_data(samples=100)
+    plain = mlp(keras.Model)
+    plain.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    expected = plain.fit(x, y, batch_size=32, epochs=2, shuffle=False,
+                         verbose=0, validation_data=(x, y))
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                        verbose=0, validation_data=(x, y))
+    np.testing.assert_allclose(history.history["val_loss"],
+                               expected.history["val_loss"], rtol=1e-5)
+
+
+def test_jit_compiled_step_equals_the_large_batch():
+    x, y = regression_data(samples=100)
+    plain = mlp(keras.Model)
+    plain.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse",
+                  jit_compile=True)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert iterations(model) == 8
+    assert max_weight_difference(plain, model) <= TOLERANCE
 
 
 # Distribution -----------------------------------------------------------
@@ -295,6 +399,18 @@ def test_masked_sequences_under_two_replicas(two_replicas):
                             n_gradients=4, build=_masked_lstm,
                             strategy=two_replicas)
     assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+def test_several_workers_are_refused_by_name():
+    # One worker is enough to build the strategy; Keras 2 is not run with
+    # several.
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    x, y = regression_data()
+    with strategy.scope():
+        model = mlp(AccumulatingModel, n_gradients=4)
+        model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="MultiWorkerMirroredStrategy"):
+        model.fit(x, y, batch_size=8, verbose=0)
 
 
 # Mixed precision ----------------------------------------------------------
@@ -428,9 +544,9 @@ def test_resume_from_the_middle_of_a_window_is_exact(how, tmp_path):
     _train_micro_batches(first, x, y, 0, 6)
     assert first._open_micro_steps() == 2
     path = str(tmp_path / "ckpt")
+    # Restored before the first step builds the window and the optimizer:
+    # both wait for their variables.
     resumed = fresh()
-    # Variables exist before restoring: build the window and the optimizer.
-    resumed.train_on_batch(x[:0], y[:0])
     if how == "save_weights":
         first.save_weights(path)
         resumed.load_weights(path)
@@ -444,13 +560,46 @@ def test_resume_from_the_middle_of_a_window_is_exact(how, tmp_path):
     assert max_weight_difference(resumed, reference) <= TOLERANCE
 
 
-def test_h5_file_with_a_window_open_warns(tmp_path):
+class _StopAfterEpoch(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            raise RuntimeError("interrupted")
+
+
+def test_window_carried_over_an_epoch_survives_backup_and_restore(tmp_path):
+    # 10 micro-batches per epoch, windows of 4 carried over: 2 are open
+    # when epoch 0 ends and the run is interrupted.
+    x, y = regression_data(samples=80)
+
+    def fresh():
+        model = mlp(AccumulatingModel, n_gradients=4, flush_each_epoch=False)
+        model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+        return model
+
+    reference = fresh()
+    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    interrupted = fresh()
+    with pytest.raises(RuntimeError, match="interrupted"):
+        interrupted.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                        verbose=0, callbacks=[backup, _StopAfterEpoch()])
+    assert interrupted._open_micro_steps() == 2
+    resumed = fresh()
+    resumed.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                callbacks=[backup])
+    assert iterations(resumed) == iterations(reference) == 5
+    assert max_weight_difference(resumed, reference) <= TOLERANCE
+
+
+def test_keras_and_h5_files_with_a_window_open_warn(tmp_path):
     x, y = regression_data(samples=80)
     model = mlp(AccumulatingModel, n_gradients=4)
     model.compile(optimizer="adam", loss="mse")
     _train_micro_batches(model, x, y, 0, 2)
     with pytest.warns(UserWarning, match="apply_open_window"):
         model.save_weights(str(tmp_path / "w.h5"))
+    with pytest.warns(UserWarning, match="apply_open_window"):
+        model.save(str(tmp_path / "model.keras"))
     model.apply_open_window()
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
