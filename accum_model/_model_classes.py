@@ -69,6 +69,7 @@ def functional_variant(cls):
     variant = _functional_variants.get(cls)
     if variant is None:
         variant = _subclass(cls, (cls, private.Functional))
+        _claim_functional_constructor(variant, cls)
         _functional_variants[cls] = variant
     return variant
 
@@ -95,13 +96,8 @@ def with_settings_for_clones(cls, settings):
                 kwargs.setdefault(name, value)
             super(bound, self).__init__(*args, **kwargs)
 
-        # Keras 2's `clone_model` rebuilds through the constructor only if
-        # its signature is `Functional.__init__`'s.
-        signature = private.functional_constructor_signature()
-        if signature is not None:
-            __init__.__signature__ = signature
-
         bound = _subclass(cls, (cls,), namespace={"__init__": __init__})
+        _claim_functional_constructor(bound, requested_class(cls), __init__)
         _settings_bound_variants[key] = bound
     return bound
 
@@ -122,8 +118,35 @@ def accumulating_class(cls):
             serialized_as=(AccumulatingModel
                            if cls is private.Functional else cls),
         )
+        if cls is private.Functional:
+            _claim_functional_constructor(accumulating, AccumulatingModel)
         _accumulating_classes[cls] = accumulating
     return accumulating
+
+
+def _claim_functional_constructor(subclass, requested, init=None):
+    """Gives `subclass` a constructor with `Functional.__init__`'s signature.
+
+    Keras 2 saves a functional model's layers (`Functional.get_config`) and
+    `clone_model` rebuilds it through its class only when the class's
+    constructor has exactly that signature. Claimed only where the
+    constructor the user asked for is AccumulatingModel's own, which passes
+    everything on; Keras 3 needs nothing (it accepts `*args, **kwargs`).
+    """
+    from accum_model.accumulating_model import AccumulatingModel
+
+    signature = private.functional_constructor_signature()
+    if signature is None or requested.__init__ is not (
+        AccumulatingModel.__init__
+    ):
+        return
+    if init is None:
+
+        def init(self, *args, **kwargs):
+            super(subclass, self).__init__(*args, **kwargs)
+
+        subclass.__init__ = init
+    init.__signature__ = signature
 
 
 def _subclass(like, bases, namespace=None, generated=True, serialized_as=None):

@@ -54,10 +54,13 @@ def regression_data(samples=100, features=6, outputs=3, seed=0):
     return x, y.astype("float32")
 
 
-def mlp(model_class, **kwargs):
+def mlp(model_class, regularized=False, **kwargs):
     keras.utils.set_random_seed(1)
     inputs = keras.Input((6,))
-    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    hidden = keras.layers.Dense(
+        8, activation="tanh",
+        kernel_regularizer=keras.regularizers.L2(0.1) if regularized else None,
+    )(inputs)
     outputs = keras.layers.Dense(3)(hidden)
     return model_class(inputs=inputs, outputs=outputs, **kwargs)
 
@@ -113,6 +116,26 @@ def test_bad_n_gradients_is_refused_by_name():
         mlp(AccumulatingModel, n_gradients=0)
     with pytest.raises(TypeError, match="n_gradients"):
         mlp(AccumulatingModel, n_gradient=4)
+
+
+def test_keras_3_layers_inside_are_refused_by_name():
+    other = pytest.importorskip("keras")
+    if other.__version__.startswith("2."):
+        pytest.skip("no Keras 3 in this environment")
+
+    class Mixed(AccumulatingModel):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = other.layers.Dense(3)
+
+        def call(self, inputs):
+            return self.dense(inputs)
+
+    x, y = regression_data()
+    model = Mixed(n_gradients=2)
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="another Keras"):
+        model.fit(x, y, batch_size=8, verbose=0)
 
 
 def test_loss_without_reduction_is_refused_before_training():
@@ -384,12 +407,26 @@ def test_jit_compiled_step_equals_the_large_batch():
 # Distribution -----------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["sgd", "adam", "adam_clipnorm",
-                                  "sgd_global_clipnorm"])
+                                  "sgd_global_clipnorm",
+                                  "legacy_sgd_momentum"])
 def test_two_replicas_equal_one_device_large_batch(name, two_replicas):
     # The last micro-batch (4 samples) splits 2 + 2.
     x, y = regression_data(samples=100)
     plain, model = fit_both(OPTIMIZERS[name], x, y, strategy=two_replicas)
     assert iterations(model) == iterations(plain) == 8
+    assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+def _regularized_mlp(model_class, **kwargs):
+    return mlp(model_class, regularized=True, **kwargs)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_regularization_is_added_once_per_window(replicas, two_replicas):
+    x, y = regression_data(samples=100)
+    strategy = two_replicas if replicas == 2 else None
+    plain, model = fit_both(OPTIMIZERS["adam"], x, y, build=_regularized_mlp,
+                            strategy=strategy)
     assert max_weight_difference(plain, model) <= TOLERANCE
 
 
@@ -423,7 +460,7 @@ def _under_mixed_float16(function, *args, **kwargs):
         keras.mixed_precision.set_global_policy("float32")
 
 
-@pytest.mark.parametrize("name", ["sgd", "adam"])
+@pytest.mark.parametrize("name", ["sgd", "adam", "legacy_sgd_momentum"])
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_mixed_float16_equals_the_mixed_large_batch(name, replicas,
                                                     two_replicas):
@@ -500,26 +537,74 @@ def test_loss_scale_grows_with_updates_not_micro_batches():
 
 # Saving and resuming ------------------------------------------------------
 
-def test_keras_file_keeps_the_settings(tmp_path):
-    model = mlp(AccumulatingModel, n_gradients={0: 2, 3: 4},
-                flush_each_epoch=False, accumulator_dtype="float64")
+SETTINGS = [
+    {"n_gradients": {0: 2, 3: 4}, "flush_each_epoch": False,
+     "accumulator_dtype": "float64"},
+    {"n_gradients": 1},  # the defaults
+]
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
+def test_keras_file_keeps_the_settings(settings, tmp_path):
+    model = mlp(AccumulatingModel, **settings)
     model.compile(optimizer="adam", loss="mse")
     path = str(tmp_path / "model.keras")
     model.save(path)
     loaded = keras.models.load_model(path)
     assert isinstance(loaded, AccumulatingModel)
-    assert loaded.n_gradients == {0: 2, 3: 4}
-    assert loaded.flush_each_epoch is False
-    assert loaded.accumulator_dtype == "float64"
+    assert loaded.n_gradients == settings["n_gradients"]
+    assert loaded.flush_each_epoch is settings.get("flush_each_epoch", True)
+    assert loaded.accumulator_dtype == settings.get("accumulator_dtype",
+                                                    "float32")
     assert max_weight_difference(model, loaded) == 0.0
 
 
-def test_clone_keeps_the_settings():
-    model = mlp(AccumulatingModel, n_gradients=4, flush_each_epoch=False)
+def test_accumulating_functional_model_round_trips_through_keras_file(
+        tmp_path):
+    model = accumulating(mlp(keras.Model), n_gradients=4)
+    model.compile(optimizer="adam", loss="mse")
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded, AccumulatingModel)
+    assert loaded.n_gradients == 4
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
+def test_clone_keeps_the_class_and_settings(settings):
+    model = mlp(AccumulatingModel, **settings)
     clone = keras.models.clone_model(model)
     assert isinstance(clone, AccumulatingModel)
-    assert clone.n_gradients == 4
-    assert clone.flush_each_epoch is False
+    assert clone.n_gradients == settings["n_gradients"]
+    assert clone.flush_each_epoch is settings.get("flush_each_epoch", True)
+
+
+class _Wide(AccumulatingModel):
+    """A functional subclass with a constructor of its own."""
+
+    def __init__(self, units, **kwargs):
+        inputs = keras.Input((6,))
+        outputs = keras.layers.Dense(units)(inputs)
+        super().__init__(inputs=inputs, outputs=outputs, **kwargs)
+        self.units = units
+
+    def get_config(self):
+        return {"units": self.units, "n_gradients": self.n_gradients}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+
+def test_functional_subclass_with_its_own_constructor_round_trips(tmp_path):
+    model = _Wide(5, n_gradients=3)
+    model.compile(optimizer="adam", loss="mse")
+    path = str(tmp_path / "wide.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path, custom_objects={"_Wide": _Wide})
+    assert isinstance(loaded, _Wide)
+    assert loaded.units == 5 and loaded.n_gradients == 3
+    assert max_weight_difference(model, loaded) == 0.0
 
 
 def _train_micro_batches(model, x, y, start, stop):
