@@ -170,8 +170,11 @@ def check_no_foreign_layers(model):
     Keras 3 does not track their weights, so they would train nothing.
     """
     foreign = sorted(
-        f"{name} ({type(value).__module__}.{type(value).__name__})"
-        for name, value in private.untracked_modules(model)
+        f"{name} ({type(item).__module__}.{type(item).__name__})"
+        for layer in private.layers_of(model)
+        for name, value in vars(layer).items()
+        for item in (value if isinstance(value, (list, tuple)) else [value])
+        if private.is_foreign_layer(item)
     )
     if foreign:
         raise ValueError(

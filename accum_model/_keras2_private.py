@@ -39,6 +39,7 @@ import tensorflow as tf
 
 from accum_model import _class_tree
 from accum_model import _stack
+from accum_model._loss_scaling import OptimizerDuties
 from accum_model._tf_checkpoint import SavedInTfCheckpoints
 
 if _stack.legacy_keras_requested():
@@ -98,7 +99,7 @@ def _warn_if_window_is_left_out(model, kind):
         )
 
 
-class LossScaling:
+class LossScaling(OptimizerDuties):
     """The compiled Keras 2 optimizer's duties: loss scaling and apply.
 
     Each micro step scales its loss with the `LossScaleOptimizer`'s own
@@ -115,17 +116,7 @@ class LossScaling:
     clips_before_summing_replicas = False
 
     def __init__(self, optimizer):
-        self.optimizer = optimizer
-        if isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer):
-            self.loss_scale_optimizer = optimizer
-            self.update_optimizer = optimizer.inner_optimizer
-        else:
-            self.loss_scale_optimizer = None
-            self.update_optimizer = optimizer
-
-    @property
-    def active(self):
-        return self.loss_scale_optimizer is not None
+        super().__init__(optimizer, keras.mixed_precision.LossScaleOptimizer)
 
     def scale_loss(self, loss):
         if not self.active:
@@ -338,27 +329,23 @@ def serialize_as(alias_class, registered_class):
         names[alias_class] = names[registered_class]
 
 
-def untracked_modules(model):
-    """(attribute, object) pairs of Keras 3 layers held by Keras 2 layers.
+def layers_of(model):
+    """The model and every layer in it (private `Layer._flatten_layers`)."""
+    return [model] + list(model._flatten_layers(include_self=False))
 
-    With `TF_USE_LEGACY_KERAS=1`, `import keras` is still Keras 3, and
-    Keras 2 does not see the weights of a Keras 3 layer.
+
+def is_foreign_layer(value):
+    """Whether `value` is a Keras 3 layer, whose weights Keras 2 does not see.
+
+    With `TF_USE_LEGACY_KERAS=1`, `import keras` is still Keras 3.
     """
     other = sys.modules.get("keras")
     other_layer = getattr(getattr(other, "layers", None), "Layer", None)
     if other is keras or other_layer is None or (
         other_layer is keras.layers.Layer
     ):
-        return []
-    found = []
-    layers = [model] + list(model._flatten_layers(include_self=False))
-    for layer in layers:
-        for name, value in vars(layer).items():
-            values = value if isinstance(value, (list, tuple)) else [value]
-            for item in values:
-                if isinstance(item, other_layer):
-                    found.append((name, item))
-    return found
+        return False
+    return isinstance(value, other_layer)
 
 
 class SavedWithModel(SavedInTfCheckpoints):

@@ -17,7 +17,7 @@ Checked (the tests that exercise each helper pass, `.ci/matrix`) on:
 | `ModelDifferences` (`_maybe_symbolic_build`; epoch iterator of 2 or 3 items, or `enumerate_epoch`) | yes | yes | yes |
 | `executions_stop_cleanly_at_end_of_data` | no (refused) | yes | yes |
 | `logs_for_reduction` | yes | yes | yes |
-| `untracked_modules` (`Layer._flatten_layers`) | yes | yes | yes |
+| `layers_of` (`Layer._flatten_layers`), `is_foreign_layer` | yes | yes | yes |
 | `SavedWithModel` (`KerasSaveable`, `saving_lib` walk; TF `Trackable`) | yes | yes | yes |
 """
 
@@ -51,7 +51,8 @@ __all__ = [
     "recording_loss_reductions",
     "clones_through_constructor",
     "model_keyword_arguments",
-    "untracked_modules",
+    "is_foreign_layer",
+    "layers_of",
     "serialize_as",
     "get_keras_mask",
     "logs_for_reduction",
@@ -235,24 +236,21 @@ def clones_through_constructor(model_class):
     return functional_like_constructor(next_init_class(model_class))
 
 
-def untracked_modules(model):
-    """(attribute, object) pairs of Keras 2 layers held by Keras 3 layers.
+def layers_of(model):
+    """The model and every layer in it (private `Layer._flatten_layers`)."""
+    return [model] + list(model._flatten_layers(include_self=False))
+
+
+def is_foreign_layer(value):
+    """Whether `value` is a Keras 2 layer, whose weights Keras 3 does not see.
 
     Keras 2 (`tf_keras`, or TensorFlow 2.15's own) layers are `tf.Module`s,
     and Keras 3 layers are not; Keras 3 tracks neither their weights nor
     their sub-layers.
     """
-    found = []
-    layers = [model] + list(model._flatten_layers(include_self=False))
-    for layer in layers:
-        for name, value in vars(layer).items():
-            values = value if isinstance(value, (list, tuple)) else [value]
-            for item in values:
-                if isinstance(item, tf.Module) and hasattr(
-                    item, "trainable_weights"
-                ) and not isinstance(item, keras.layers.Layer):
-                    found.append((name, item))
-    return found
+    return (isinstance(value, tf.Module)
+            and hasattr(value, "trainable_weights")
+            and not isinstance(value, keras.layers.Layer))
 
 
 @contextlib.contextmanager

@@ -18,7 +18,30 @@ from keras import optimizers
 from accum_model._accumulator import is_overwritten_with_gradient
 
 
-class LossScaling:
+class OptimizerDuties:
+    """The compiled optimizer, split into its loss scaler and its updater.
+
+    Args:
+        optimizer: The compiled optimizer.
+        loss_scale_optimizer_class: The Keras's `LossScaleOptimizer` class.
+    """
+
+    def __init__(self, optimizer, loss_scale_optimizer_class):
+        self.optimizer = optimizer
+        if isinstance(optimizer, loss_scale_optimizer_class):
+            self.loss_scale_optimizer = optimizer
+            self.update_optimizer = optimizer.inner_optimizer
+        else:
+            self.loss_scale_optimizer = None
+            self.update_optimizer = optimizer
+
+    @property
+    def active(self):
+        """Whether the loss is scaled (a `LossScaleOptimizer` is compiled)."""
+        return self.loss_scale_optimizer is not None
+
+
+class LossScaling(OptimizerDuties):
     """The compiled Keras 3 optimizer's duties: loss scaling and apply.
 
     Args:
@@ -29,17 +52,7 @@ class LossScaling:
     clips_before_summing_replicas = True
 
     def __init__(self, optimizer):
-        self.optimizer = optimizer
-        if isinstance(optimizer, optimizers.LossScaleOptimizer):
-            self.loss_scale_optimizer = optimizer
-            self.update_optimizer = optimizer.inner_optimizer
-        else:
-            self.loss_scale_optimizer = None
-            self.update_optimizer = optimizer
-
-    @property
-    def active(self):
-        return self.loss_scale_optimizer is not None
+        super().__init__(optimizer, optimizers.LossScaleOptimizer)
 
     def is_built(self):
         return self.optimizer.built

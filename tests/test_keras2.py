@@ -169,14 +169,15 @@ def test_sample_weights_equal_the_large_batch():
     assert max_weight_difference(plain, model) <= TOLERANCE
 
 
-def test_run_eagerly_equals_the_large_batch():
+@pytest.mark.parametrize("compiled", [{"run_eagerly": True},
+                                      {"jit_compile": True}])
+def test_eager_and_jit_compiled_steps_equal_the_large_batch(compiled):
     x, y = regression_data(samples=100)
     plain = mlp(keras.Model)
     plain.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
     plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     model = mlp(AccumulatingModel, n_gradients=4)
-    model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse",
-                  run_eagerly=True)
+    model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse", **compiled)
     model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     assert iterations(model) == 8
     assert max_weight_difference(plain, model) <= TOLERANCE
@@ -389,19 +390,6 @@ def test_validation_sees_the_epochs_last_window():
                         verbose=0, validation_data=(x, y))
     np.testing.assert_allclose(history.history["val_loss"],
                                expected.history["val_loss"], rtol=1e-5)
-
-
-def test_jit_compiled_step_equals_the_large_batch():
-    x, y = regression_data(samples=100)
-    plain = mlp(keras.Model)
-    plain.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
-    plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-    model = mlp(AccumulatingModel, n_gradients=4)
-    model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse",
-                  jit_compile=True)
-    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    assert iterations(model) == 8
-    assert max_weight_difference(plain, model) <= TOLERANCE
 
 
 # Distribution -----------------------------------------------------------
