@@ -42,9 +42,11 @@ def accumulating(model, n_gradients, flush_each_epoch=True,
     flush_each_epoch = _checks.check_flush_each_epoch(flush_each_epoch)
     if not isinstance(model, keras.Model):
         raise ValueError(
-            "`accumulating` takes a model of the Keras that accum_model "
-            f"trains with here, a `{keras.__name__}.Model`. Received: "
-            f"model of type {type(model).__module__}.{type(model).__name__}"
+            "`accumulating` takes a model of the Keras behind `tf.keras` in "
+            f"this process, a `{keras.__name__}.Model` (for a tf_keras "
+            "model, set TF_USE_LEGACY_KERAS=1 before TensorFlow is "
+            "imported). Received: model of type "
+            f"{type(model).__module__}.{type(model).__name__}"
         )
     if isinstance(model, AccumulatingModel):
         same = (model.n_gradients == n_gradients

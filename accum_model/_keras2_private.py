@@ -19,15 +19,15 @@ Where Keras 2 differs from Keras 3:
   private `_DynamicLossScaleState` whose own `update` rule is reused;
 * checkpoints: only TensorFlow checkpoints (`save_weights` in the TF
   format, `tf.train.Checkpoint`, `BackupAndRestore`) carry the window;
-  a Keras 2 `.keras` or `.h5` file cannot, and saving one with a window
-  open warns;
+  Keras 2's `model.save` files (`.keras`, `.h5`, SavedModel) and `.h5`
+  weights cannot, and saving one with a window open warns;
 * the training loop ends data with `tf.errors.OutOfRangeError`, keeps
   `steps_per_execution` in a variable and shortens an epoch's last
   execution to the steps left.
 
 Checked (the Keras 2 tests, `tests/test_keras2.py`, in `.ci/matrix`) on
 tf_keras 2.21.0 / TF 2.21.0 with `TF_USE_LEGACY_KERAS=1`, and on keras
-2.15.0 / TF 2.15.1.
+2.15.0 / TF 2.15.1 and keras 2.13.1 / TF 2.13.1.
 """
 
 import contextlib
@@ -38,14 +38,12 @@ import warnings
 import tensorflow as tf
 
 from accum_model import _class_tree
-from accum_model import _stack
 from accum_model._loss_scaling import OptimizerDuties
 from accum_model._tf_checkpoint import SavedInTfCheckpoints
 
-if _stack.legacy_keras_requested():
-    import tf_keras as keras
-else:
-    import keras
+# The package behind `tf.keras`, as TensorFlow chose it: tf_keras (with
+# TF_USE_LEGACY_KERAS=1) or, on TensorFlow 2.13-2.15, keras.
+keras = importlib.import_module(tf.keras.Model.__module__.split(".")[0])
 
 
 def _src(module):
@@ -71,17 +69,16 @@ STEPS_PER_EXECUTION_FIX = ""  # Keras 2 executions stop between steps.
 class ModelDifferences:
     """What the Keras 2 `AccumulatingModel` does unlike the Keras 3 one."""
 
-    def save_own_variables(self, store):
-        # Keras 2's `.keras` format: the model's own entry, before layers.
-        _warn_if_window_is_left_out(self, "a Keras 2 `.keras` file")
-        super().save_own_variables(store)
+    def save(self, filepath, *args, **kwargs):
+        # `.keras`, `.h5` and SavedModel: Keras 2 loads none of them back
+        # into a model with its window (SavedModel revives the model from
+        # its config and leaves the window out).
+        _warn_if_window_is_left_out(self, "a file of `model.save`")
+        return super().save(filepath, *args, **kwargs)
 
     def save_weights(self, filepath, *args, **kwargs):
-        name = str(filepath)
-        if name.endswith((".h5", ".hdf5")) and not name.endswith(
-            ".weights.h5"
-        ):
-            _warn_if_window_is_left_out(self, "an `.h5` file")
+        if str(filepath).endswith((".h5", ".hdf5")):
+            _warn_if_window_is_left_out(self, "an `.h5` weights file")
         return super().save_weights(filepath, *args, **kwargs)
 
 
@@ -355,5 +352,6 @@ class SavedWithModel(SavedInTfCheckpoints):
     dependency, so `save_weights` in the TensorFlow format,
     `tf.train.Checkpoint` and `BackupAndRestore` save and restore it
     (see `SavedInTfCheckpoints`). Keras 2's `.keras` and `.h5` files hold
-    only Keras objects (`saving_lib._is_keras_trackable`).
+    only Keras objects (`saving_lib._is_keras_trackable`), and a SavedModel
+    loaded by `load_model` is rebuilt from its config without it.
     """

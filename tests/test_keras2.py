@@ -664,16 +664,19 @@ def test_window_carried_over_an_epoch_survives_backup_and_restore(tmp_path):
     assert max_weight_difference(resumed, reference) <= TOLERANCE
 
 
-def test_keras_and_h5_files_with_a_window_open_warn(tmp_path):
+def test_files_that_cannot_hold_an_open_window_warn(tmp_path):
     x, y = regression_data(samples=80)
     model = mlp(AccumulatingModel, n_gradients=4)
     model.compile(optimizer="adam", loss="mse")
     _train_micro_batches(model, x, y, 0, 2)
-    with pytest.warns(UserWarning, match="apply_open_window"):
-        model.save_weights(str(tmp_path / "w.h5"))
-    with pytest.warns(UserWarning, match="apply_open_window"):
-        model.save(str(tmp_path / "model.keras"))
+    for name in ("w.h5", "w.weights.h5"):
+        with pytest.warns(UserWarning, match="apply_open_window"):
+            model.save_weights(str(tmp_path / name))
+    for name in ("model.keras", "model.h5", "saved_model"):
+        with pytest.warns(UserWarning, match="apply_open_window"):
+            model.save(str(tmp_path / name))
     model.apply_open_window()
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         model.save_weights(str(tmp_path / "w2.h5"))
+        model.save(str(tmp_path / "model2.keras"))

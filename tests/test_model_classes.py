@@ -249,6 +249,13 @@ def test_accumulating_refuses_what_is_not_a_keras_model():
         accumulating(mlp(keras.Model), n_gradients=0)
 
 
+def test_accumulating_names_the_fix_for_a_tf_keras_model():
+    tf_keras = pytest.importorskip("tf_keras")
+    model = tf_keras.Sequential([tf_keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match="TF_USE_LEGACY_KERAS=1"):
+        accumulating(model, n_gradients=2)
+
+
 def test_class_whose_train_step_would_be_shadowed_is_warned_about():
     class OwnStep(keras.Model):
         def train_step(self, data):
