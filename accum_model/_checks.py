@@ -165,9 +165,10 @@ def check_steps_per_execution(model):
 
 
 def check_no_foreign_layers(model):
-    """Refuses layers of another Keras (e.g. `tf_keras`) inside the model.
+    """Refuses layers of another Keras inside the model.
 
-    Keras 3 does not track their weights, so they would train nothing.
+    Keras 3 does not track the weights of Keras 2 (`tf_keras`) layers, nor
+    Keras 2 those of Keras 3 layers, so they would train nothing.
     """
     foreign = sorted(
         f"{name} ({type(item).__module__}.{type(item).__name__})"

@@ -81,7 +81,7 @@ class ModelDifferences:
     """What the Keras 3 `AccumulatingModel` does unlike the Keras 2 one."""
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # Overrides a private Keras hook; see `symbolic_build_from_local_batch`.
+        # A private Keras hook; see `symbolic_build_from_local_batch`.
         distributed = getattr(self, "_distribute_strategy", None) is not None
         if (not self._window_policy.accumulates or not distributed
                 or iterator is None):

@@ -55,8 +55,9 @@ class WindowCallback(keras.callbacks.Callback):
         """Wraps `train_function` to apply the window when data runs out.
 
         With data of unknown length Keras learns that the epoch ended when
-        a run of the train function finds no data (StopIteration; OutOfRangeError in Keras 2): the
-        window open then belongs to the epoch that ended.
+        a run of the train function finds no data (StopIteration, or
+        OutOfRangeError in Keras 2): the window open then belongs to the
+        epoch that ended.
         """
 
         def train_function_applying_open_window(iterator):
