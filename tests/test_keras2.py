@@ -282,6 +282,54 @@ def test_accumulating_makes_an_existing_model_accumulate(build):
     assert max_weight_difference(plain, model) <= TOLERANCE
 
 
+class _TapeStep(AccumulatingModel):
+    """A Keras 2 style `train_step` handing its gradients to the window."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.accumulate_gradients(gradients, weight=tf.size(y),
+                                  batch_size=tf.shape(x)[0])
+        return {"loss": loss}
+
+
+class _ApplyingStep(AccumulatingModel):
+    """The pattern that silently stops accumulating."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients,
+                                           self.trainable_variables))
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_own_train_step_accumulates_like_the_large_batch(replicas,
+                                                        two_replicas):
+    x, y = regression_data(samples=100)
+    strategy = two_replicas if replicas == 2 else None
+    plain, model = fit_both(OPTIMIZERS["adam"], x, y,
+                            build=lambda cls, **kw: mlp(
+                                _TapeStep if cls is AccumulatingModel
+                                else cls, **kw),
+                            strategy=strategy)
+    assert iterations(model) == iterations(plain) == 8
+    assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+def test_train_step_applying_the_optimizer_itself_is_warned_about():
+    x, y = regression_data()
+    model = mlp(_ApplyingStep, n_gradients=4)
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.warns(UserWarning, match="accumulate_gradients"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
 # Epochs -----------------------------------------------------------------
 
 def test_window_carried_over_epochs_equals_its_samples_in_one_batch():
