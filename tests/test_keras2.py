@@ -282,14 +282,18 @@ def test_accumulating_makes_an_existing_model_accumulate(build):
     assert max_weight_difference(plain, model) <= TOLERANCE
 
 
+def _mean_squared_error_and_gradients(model, x, y):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
+    return loss, tape.gradient(loss, model.trainable_variables)
+
+
 class _TapeStep(AccumulatingModel):
     """A Keras 2 style `train_step` handing its gradients to the window."""
 
     def train_step(self, data):
         x, y = data
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
-        gradients = tape.gradient(loss, self.trainable_variables)
+        loss, gradients = _mean_squared_error_and_gradients(self, x, y)
         self.accumulate_gradients(gradients, weight=tf.size(y),
                                   batch_size=tf.shape(x)[0])
         return {"loss": loss}
@@ -300,9 +304,7 @@ class _ApplyingStep(AccumulatingModel):
 
     def train_step(self, data):
         x, y = data
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
-        gradients = tape.gradient(loss, self.trainable_variables)
+        loss, gradients = _mean_squared_error_and_gradients(self, x, y)
         self.optimizer.apply_gradients(zip(gradients,
                                            self.trainable_variables))
         return {"loss": loss}
