@@ -13,7 +13,6 @@ would after one step on the large batch.
 """
 
 import tensorflow as tf
-from keras import optimizers
 
 from accum_model._accumulator import is_overwritten_with_gradient
 
@@ -52,6 +51,10 @@ class LossScaling(OptimizerDuties):
     clips_before_summing_replicas = True
 
     def __init__(self, optimizer):
+        # Imported here: a Keras 2 process uses only `OptimizerDuties` from
+        # this module and must not import Keras 3 at start-up.
+        from keras import optimizers
+
         super().__init__(optimizer, optimizers.LossScaleOptimizer)
 
     def is_built(self):
