@@ -2,7 +2,7 @@
 
 from accum_model._version import __version__
 # Chooses the Keras adapter, or refuses the stack with the fix, first.
-from accum_model import _adapter  # noqa: F401  isort: skip
+from accum_model import _chooser  # noqa: F401  isort: skip
 
 from accum_model._existing_models import accumulating  # noqa: E402
 from accum_model.accumulating_model import AccumulatingModel  # noqa: E402

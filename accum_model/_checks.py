@@ -1,23 +1,21 @@
-"""Argument validation, done before any training variable exists."""
+"""Checks of a model's set-up that raise, or warn, naming what to change.
+
+Made at construction (keyword arguments), when training is set up
+(`fit()`, `make_train_function`: optimizer, strategy, losses, layers,
+overridden methods), and once when the training step is traced (the masked
+activity penalty, which needs the prediction). Functions that ask about the
+model's class take `base`, the accumulating class in its MRO.
+"""
 
 import difflib
 import warnings
 
 import tensorflow as tf
 
-from accum_model import _class_tree
-from accum_model._adapter import private
-from accum_model._accumulator import is_overwritten_with_gradient
-
-
-def check_flush_each_epoch(flush_each_epoch):
-    """Returns `flush_each_epoch`, or raises a `ValueError` if not a bool."""
-    if not isinstance(flush_each_epoch, bool):
-        raise ValueError(
-            "`flush_each_epoch` must be True or False. "
-            f"Received: flush_each_epoch={flush_each_epoch!r}"
-        )
-    return flush_each_epoch
+from accum_model._chooser import adapter
+from accum_model.core import class_tree
+from accum_model.core.messages import warn_once
+from accum_model.core.window import is_overwritten_with_gradient
 
 
 def check_optimizer_does_not_accumulate(optimizer):
@@ -43,11 +41,11 @@ def check_loss_reductions(losses):
     """
     for loss in losses:
         reduction = getattr(loss, "reduction", "sum_over_batch_size")
-        if reduction not in private.LOSS_REDUCTIONS:
+        if reduction not in adapter.LOSS_REDUCTIONS:
             raise ValueError(
                 "AccumulatingModel needs losses that Keras reduces to one "
                 "number per batch (reduction in "
-                f"{private.LOSS_REDUCTIONS}), so that a window can equal "
+                f"{adapter.LOSS_REDUCTIONS}), so that a window can equal "
                 "one large batch. Received: "
                 f"reduction={reduction!r} on loss "
                 f"{getattr(loss, 'name', loss)!r}"
@@ -60,7 +58,7 @@ def check_strategy(strategy):
         tf.distribute.experimental.ParameterServerStrategy,
         tf.distribute.experimental.CentralStorageStrategy,
     )
-    private.check_strategy(strategy)
+    adapter.check_strategy(strategy)
     if isinstance(strategy, unsupported):
         raise ValueError(
             "AccumulatingModel supports the default strategy, "
@@ -71,7 +69,8 @@ def check_strategy(strategy):
         )
 
 
-def check_keyword_arguments(model_class, kwargs, functional, own_arguments):
+def check_keyword_arguments(model_class, base, kwargs, functional,
+                            own_arguments):
     """Refuses keyword arguments that nothing in the model would use.
 
     Keras's functional constructor ignores unknown keywords, so a misspelt
@@ -81,13 +80,14 @@ def check_keyword_arguments(model_class, kwargs, functional, own_arguments):
 
     Args:
         model_class: The class being constructed.
+        base: The accumulating class in `model_class`'s MRO.
         kwargs: Keywords AccumulatingModel passes on to the next class.
         functional: Bool. Whether the call builds a functional model.
         own_arguments: AccumulatingModel's own keyword names.
     """
-    if not _class_tree.next_init_is_keras_model(model_class):
+    if not class_tree.next_init_is_keras_model(model_class, base):
         return
-    allowed = private.model_keyword_arguments(functional)
+    allowed = adapter.model_keyword_arguments(functional)
     unknown = [name for name in kwargs if name not in allowed]
     if not unknown:
         return
@@ -123,18 +123,18 @@ def check_float8_on_one_replica(model):
         )
 
 
-def warn_if_activity_penalty_is_masked(model_class, model, y_pred):
+def warn_if_activity_penalty_is_masked(model, base, y_pred):
     """Warns (once) where one micro-batch weight cannot fit every loss term.
 
     With a Keras mask on the output, a micro-batch is weighted by its valid
     elements, right for the masked loss; an activity regularizer adds a
     per-sample penalty, which the large batch weights by samples.
     """
-    base = _accumulating_model_class()
+    model_class = type(model)
     if model_class.micro_batch_weight is not base.micro_batch_weight:
         return
     masked = any(
-        private.get_keras_mask(output) is not None
+        adapter.get_keras_mask(output) is not None
         for output in tf.nest.flatten(y_pred)
         if output is not None
     )
@@ -156,10 +156,10 @@ def warn_if_activity_penalty_is_masked(model_class, model, y_pred):
 
 def check_steps_per_execution(model):
     """Refuses executions of several steps where Keras can cut one short."""
-    steps = private.steps_per_execution(model)
-    if steps > 1 and not private.executions_stop_cleanly_at_end_of_data():
+    steps = adapter.steps_per_execution(model)
+    if steps > 1 and not adapter.executions_stop_cleanly_at_end_of_data():
         raise ValueError(
-            f"{private.STEPS_PER_EXECUTION_FIX}. Received: "
+            f"{adapter.STEPS_PER_EXECUTION_FIX}. Received: "
             f"steps_per_execution={steps}"
         )
 
@@ -172,10 +172,10 @@ def check_no_foreign_layers(model):
     """
     foreign = sorted(
         f"{name} ({type(item).__module__}.{type(item).__name__})"
-        for layer in private.layers_of(model)
+        for layer in adapter.layers_of(model)
         for name, value in vars(layer).items()
         for item in (value if isinstance(value, (list, tuple)) else [value])
-        if private.is_foreign_layer(item)
+        if adapter.is_foreign_layer(item)
     )
     if foreign:
         raise ValueError(
@@ -188,15 +188,14 @@ def check_no_foreign_layers(model):
         )
 
 
-def warn_if_train_step_bypasses_window(model_class):
+def warn_if_train_step_bypasses_window(model_class, base):
     """Warns when an overridden `train_step` never reaches the window.
 
     Such a step usually applies the optimizer itself on every micro-batch,
     which is no accumulation at all. A step that calls
     `accumulate_gradients` or `super().train_step` is fine.
     """
-    base = _accumulating_model_class()
-    shadowed = _class_tree.overriding_classes(
+    shadowed = class_tree.overriding_classes(
         model_class, "train_step", start_after=base
     )
     if shadowed:
@@ -208,7 +207,7 @@ def warn_if_train_step_bypasses_window(model_class):
             "micro-batch's gradients to `self.accumulate_gradients`.",
             stacklevel=3,
         )
-    names = _class_tree.names_used_by_overrides(
+    names = class_tree.names_used_by_overrides(
         model_class, "train_step", stop_at=base
     )
     if names is None or {"accumulate_gradients", "train_step"} & names:
@@ -224,15 +223,14 @@ def warn_if_train_step_bypasses_window(model_class):
     )
 
 
-def warn_if_loss_divisor_is_unknown(model_class):
+def warn_if_loss_divisor_is_unknown(model_class, base):
     """Returns whether micro-batches must be weighted by their sample count.
 
     True, with a one-time warning, when `compute_loss` is overridden and
     `micro_batch_weight` is not: what that loss divides by is unknown.
     """
-    base = _accumulating_model_class()
     overrides_loss = bool(
-        _class_tree.overriding_classes(model_class, "compute_loss")
+        class_tree.overriding_classes(model_class, "compute_loss")
     )
     overrides_weight = model_class.micro_batch_weight is not (
         base.micro_batch_weight
@@ -252,25 +250,14 @@ def warn_if_loss_divisor_is_unknown(model_class):
     return True
 
 
-_warned = set()
-
-
-def warn_once(key, message):
-    """Warns with `message` the first time it is given for `key`."""
-    if (key, message) in _warned:
-        return
-    _warned.add((key, message))
-    warnings.warn(message, stacklevel=4)
-
-
-def _accumulating_model_class():
-    from accum_model.accumulating_model import AccumulatingModel
-
-    return AccumulatingModel
-
-
-def check_ready_to_accumulate(model, requested_class):
+def check_ready_to_accumulate(model, requested_class, base):
     """Raises (or warns) before training if `model` cannot accumulate.
+
+    Args:
+        model: The model about to train.
+        requested_class: The class the user asked for (see
+            `_model_classes.requested_class`).
+        base: The accumulating class in `model`'s MRO.
 
     Returns:
         Whether micro-batches are weighted by their number of samples
@@ -282,27 +269,6 @@ def check_ready_to_accumulate(model, requested_class):
     check_no_foreign_layers(model)
     check_float8_on_one_replica(model)
     check_steps_per_execution(model)
-    warn_if_train_step_bypasses_window(type(model))
-    return warn_if_loss_divisor_is_unknown(requested_class)
+    warn_if_train_step_bypasses_window(type(model), base)
+    return warn_if_loss_divisor_is_unknown(requested_class, base)
 
-
-def check_no_window_left_open(model, trainable_variables):
-    """Refuses to forget gradients when the trainable weights changed.
-
-    After this error the open window is kept as it was, with the optimizer
-    and variables it was started with; `apply_open_window()` applies it to
-    those and lets training go on with the new ones.
-    """
-    window = model._gradient_window
-    if window is None or window.matches(trainable_variables):
-        return
-    open_steps = model._open_micro_steps()
-    if open_steps:
-        raise ValueError(
-            "The model's trainable weights changed while a window was "
-            f"open ({open_steps} micro-batches accumulated and not yet "
-            "applied). Call `model.apply_open_window()` before changing "
-            "which weights are trainable. Received: "
-            f"{len(trainable_variables)} trainable variables, "
-            f"window built for {len(window.trainable_variables)}"
-        )

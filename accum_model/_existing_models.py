@@ -1,11 +1,13 @@
 """`accumulating(model)`: gradient accumulation for a model that exists."""
 
-from accum_model._adapter import keras
-
-from accum_model import _checks
 from accum_model import _model_classes
-from accum_model._window_policy import WindowPolicy
+from accum_model._chooser import adapter
+from accum_model._chooser import keras
 from accum_model.accumulating_model import AccumulatingModel
+from accum_model.core.settings import Settings
+
+# One accumulating class per model class, made on first use.
+_accumulating_classes = {}
 
 
 def accumulating(model, n_gradients, flush_each_epoch=True,
@@ -37,9 +39,7 @@ def accumulating(model, n_gradients, flush_each_epoch=True,
         ValueError: `model` already accumulates with other settings, or has
             a window open.
     """
-    policy = WindowPolicy(n_gradients, accumulator_dtype)
-    n_gradients = policy.n_gradients
-    flush_each_epoch = _checks.check_flush_each_epoch(flush_each_epoch)
+    settings = Settings(n_gradients, flush_each_epoch, accumulator_dtype)
     if not isinstance(model, keras.Model):
         raise ValueError(
             "`accumulating` takes a model of the Keras behind `tf.keras` in "
@@ -48,32 +48,29 @@ def accumulating(model, n_gradients, flush_each_epoch=True,
             "imported). Received: model of type "
             f"{type(model).__module__}.{type(model).__name__}"
         )
-    if isinstance(model, AccumulatingModel):
-        same = (model.n_gradients == n_gradients
-                and model.flush_each_epoch == flush_each_epoch
-                and model.accumulator_dtype == policy.accumulator_dtype)
-        if same:
-            return model
-        open_steps = model._open_micro_steps()
-        if open_steps:
-            raise ValueError(
-                "The model already accumulates and has a window open "
-                f"({open_steps} micro-batches not yet applied). Call "
-                "`model.apply_open_window()` first. Received: "
-                f"n_gradients={n_gradients!r}, "
-                f"flush_each_epoch={flush_each_epoch!r}, "
-                f"accumulator_dtype={accumulator_dtype!r}"
-            )
-        if model.accumulator_dtype != policy.accumulator_dtype:
-            # The window is rebuilt in the new dtype by the next step.
-            model._gradient_window = None
-            model._window_end = None
-        model._window_policy = policy
-        model.n_gradients = n_gradients
-        model.flush_each_epoch = flush_each_epoch
-        return model
-    model.__class__ = _model_classes.accumulating_class(type(model))
-    AccumulatingModel._init_accumulation(model, policy, flush_each_epoch)
-    # A compiled model has traced (or may trace) Keras's own step.
-    model.train_function = None
+    if not isinstance(model, AccumulatingModel):
+        model.__class__ = accumulating_class(type(model))
+    model._accumulate_with(settings)
     return model
+
+
+def accumulating_class(cls):
+    """A subclass of `AccumulatingModel` and `cls`, for an existing model.
+
+    Functional models serialize as `AccumulatingModel`, which Keras can
+    rebuild from their config.
+    """
+    accumulating = _accumulating_classes.get(cls)
+    if accumulating is None:
+        # Not marked generated: it is the class the user's model now has.
+        accumulating = _model_classes.subclass_like(
+            cls, (AccumulatingModel, cls), generated=False,
+            serialized_as=(AccumulatingModel
+                           if cls is adapter.Functional else cls),
+        )
+        if cls is adapter.Functional:
+            _model_classes.claim_functional_constructor(
+                accumulating, AccumulatingModel
+            )
+        _accumulating_classes[cls] = accumulating
+    return accumulating

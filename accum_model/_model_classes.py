@@ -19,13 +19,13 @@ qualified name, so names, name scopes and serialization are unchanged, and
 they are created once per class. No existing class is modified.
 """
 
-from accum_model._adapter import keras
-from accum_model._adapter import private
+from accum_model._chooser import adapter
+from accum_model._chooser import keras
+from accum_model.core import class_tree
 
 _routed_classes = {}
 _functional_variants = {}
 _settings_bound_variants = {}
-_accumulating_classes = {}
 
 
 def is_functional_call(args, kwargs):
@@ -58,7 +58,7 @@ def instance_class(cls):
         return cls
     routed = _routed_classes.get(cls)
     if routed is None:
-        routed = _subclass(cls, (cls, _FunctionalRouter))
+        routed = subclass_like(cls, (cls, _FunctionalRouter))
         _routed_classes[cls] = routed
     return routed
 
@@ -68,8 +68,8 @@ def functional_variant(cls):
     cls = requested_class(cls)
     variant = _functional_variants.get(cls)
     if variant is None:
-        variant = _subclass(cls, (cls, private.Functional))
-        _claim_functional_constructor(variant, cls)
+        variant = subclass_like(cls, (cls, adapter.Functional))
+        claim_functional_constructor(variant, cls)
         _functional_variants[cls] = variant
     return variant
 
@@ -83,8 +83,11 @@ def with_settings_for_clones(cls, settings):
     constructor fills in the settings the clone did not pass. Only done for
     classes that Keras clones through their constructor.
     """
-    if not settings or not private.clones_through_constructor(
-        requested_class(cls)
+    while cls.__dict__.get("_accum_model_bound_settings"):
+        cls = cls.__bases__[0]  # Settings bound before: replaced, not added.
+    requested = requested_class(cls)
+    if not settings or not adapter.clones_through_constructor(
+        requested, class_tree.accumulating_base(requested)
     ):
         return cls
     key = (cls, repr(sorted(settings.items())))
@@ -96,49 +99,29 @@ def with_settings_for_clones(cls, settings):
                 kwargs.setdefault(name, value)
             super(bound, self).__init__(*args, **kwargs)
 
-        bound = _subclass(cls, (cls,), namespace={"__init__": __init__})
-        _claim_functional_constructor(bound, requested_class(cls), __init__)
+        bound = subclass_like(cls, (cls,), namespace={
+            "__init__": __init__, "_accum_model_bound_settings": True,
+        })
+        claim_functional_constructor(bound, requested_class(cls), __init__)
         _settings_bound_variants[key] = bound
     return bound
 
 
-def accumulating_class(cls):
-    """A subclass of `AccumulatingModel` and `cls`, for an existing model.
-
-    Functional models serialize as `AccumulatingModel`, which Keras can
-    rebuild from their config.
-    """
-    from accum_model.accumulating_model import AccumulatingModel
-
-    accumulating = _accumulating_classes.get(cls)
-    if accumulating is None:
-        # Not marked generated: it is the class the user's model now has.
-        accumulating = _subclass(
-            cls, (AccumulatingModel, cls), generated=False,
-            serialized_as=(AccumulatingModel
-                           if cls is private.Functional else cls),
-        )
-        if cls is private.Functional:
-            _claim_functional_constructor(accumulating, AccumulatingModel)
-        _accumulating_classes[cls] = accumulating
-    return accumulating
-
-
-def _claim_functional_constructor(subclass, requested, init=None):
+def claim_functional_constructor(subclass, requested, init=None):
     """Gives `subclass` a constructor with `Functional.__init__`'s signature.
 
     Keras 2 saves a functional model's layers (`Functional.get_config`) and
     `clone_model` rebuilds it through its class only when the class's
     constructor has exactly that signature. Claimed only where the
-    constructor the user asked for is AccumulatingModel's own, which passes
-    everything on; Keras 3 needs nothing (it accepts `*args, **kwargs`).
+    constructor the user asked for passes everything on (AccumulatingModel's
+    own, or one claimed here); Keras 3 needs nothing (it accepts
+    `*args, **kwargs`).
     """
-    from accum_model.accumulating_model import AccumulatingModel
-
-    signature = private.functional_constructor_signature()
-    if signature is None or requested.__init__ is not (
-        AccumulatingModel.__init__
-    ):
+    signature = adapter.functional_constructor_signature()
+    passes_everything_on = requested.__init__ is (
+        class_tree.accumulating_base(requested).__init__
+    ) or getattr(requested.__init__, "_accum_model_claimed", False)
+    if signature is None or not passes_everything_on:
         return
     if init is None:
 
@@ -147,9 +130,11 @@ def _claim_functional_constructor(subclass, requested, init=None):
 
         subclass.__init__ = init
     init.__signature__ = signature
+    init._accum_model_claimed = True
 
 
-def _subclass(like, bases, namespace=None, generated=True, serialized_as=None):
+def subclass_like(like, bases, namespace=None, generated=True,
+                  serialized_as=None):
     """A class named like `like`, serialized under `serialized_as`'s name."""
     subclass = type(
         like.__name__,
@@ -162,7 +147,7 @@ def _subclass(like, bases, namespace=None, generated=True, serialized_as=None):
             **(namespace or {}),
         },
     )
-    private.serialize_as(subclass, serialized_as or like)
+    adapter.serialize_as(subclass, serialized_as or like)
     return subclass
 
 
@@ -174,8 +159,8 @@ class _FunctionalRouter(keras.Model):
     def __init__(self, *args, **kwargs):
         if is_functional_call(args, kwargs):
             self.__class__ = functional_variant(type(self))
-            private.Functional.__init__(self, *args, **kwargs)
+            adapter.Functional.__init__(self, *args, **kwargs)
         else:
-            if not isinstance(self, private.Functional):
+            if not isinstance(self, adapter.Functional):
                 self.__class__ = requested_class(type(self))
             keras.Model.__init__(self, *args, **kwargs)

@@ -9,9 +9,9 @@ unrelated error later (or a model that trains nothing).
 
 import os
 
-# The oldest Keras 3 whose every private detail in `_keras_private` was
+# The oldest Keras 3 whose every private detail in `accum_model.keras3` was
 # checked (keras 3.6.0 with TensorFlow 2.16.2, in CI), and the oldest
-# Keras 2 (TensorFlow 2.13's) that `_keras2_private` was written against.
+# Keras 2 (TensorFlow 2.13's) that `accum_model.keras2` was written against.
 KERAS_FLOOR = (3, 6)
 KERAS_2_FLOOR = (2, 13)
 

@@ -2,8 +2,8 @@
 
 import inspect
 
-from accum_model._adapter import keras
-from accum_model._adapter import private
+from accum_model._chooser import adapter
+from accum_model._chooser import keras
 
 
 class WindowCallback(keras.callbacks.Callback):
@@ -63,7 +63,7 @@ class WindowCallback(keras.callbacks.Callback):
         def train_function_applying_open_window(iterator):
             try:
                 return train_function(iterator)
-            except private.END_OF_DATA_ERRORS:
+            except adapter.END_OF_DATA_ERRORS:
                 if model.flush_each_epoch:
                     model.apply_open_window()
                 raise
@@ -75,10 +75,10 @@ class WindowCallback(keras.callbacks.Callback):
         model = self.accumulating_model
         steps = self.params.get("steps") if self.params else None
         if steps:
-            steps = private.micro_steps_in_epoch(
-                steps, private.steps_per_execution(model)
+            steps = adapter.micro_steps_in_epoch(
+                steps, adapter.steps_per_execution(model)
             )
-        model._start_epoch(steps, epoch)
+        model._accumulation.start_epoch(steps, epoch)
 
     def on_test_begin(self, logs=None):
         if self._epoch is not None:
@@ -91,7 +91,7 @@ class WindowCallback(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self.accumulating_model.apply_open_window()
         self.log_skipped_windows(logs)
-        self.accumulating_model._start_epoch(None)
+        self.accumulating_model._accumulation.start_epoch(None)
         self._epoch = None
 
     def apply_if_epoch_ends_window(self):

@@ -55,7 +55,7 @@ def run_worker(args):
     import tensorflow as tf
 
     from accum_model import AccumulatingModel
-    from accum_model import _keras_private
+    from accum_model.keras3 import training as keras3_training
 
     class PlainKeras(keras.Model):
         """Keras's own training step, patched to run under two workers.
@@ -70,10 +70,10 @@ def run_worker(args):
         def _maybe_symbolic_build(self, iterator=None, data_batch=None):
             if iterator is None:
                 return super()._maybe_symbolic_build(iterator, data_batch)
-            _keras_private.symbolic_build_from_local_batch(self, iterator)
+            keras3_training.symbolic_build_from_local_batch(self, iterator)
 
         def train_step(self, data):
-            return _keras_private.logs_for_reduction(
+            return keras3_training.logs_for_reduction(
                 super().train_step(data), self.distribute_strategy)
 
     tf.config.threading.set_intra_op_parallelism_threads(1)

@@ -97,8 +97,8 @@ def skip_unless_executions_stop_cleanly(steps_per_execution=2):
     (the refusal itself is tested in test_epochs.py)."""
     import pytest
 
-    from accum_model import _keras_private
+    from accum_model._chooser import adapter
 
     if (steps_per_execution > 1
-            and not _keras_private.executions_stop_cleanly_at_end_of_data()):
+            and not adapter.executions_stop_cleanly_at_end_of_data()):
         pytest.skip("this Keras cannot stop an execution between steps")

@@ -415,7 +415,7 @@ def test_state_after_the_trainable_weights_error_is_the_open_window():
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     with pytest.raises(ValueError, match="apply_open_window"):
         model.train_on_batch(x[8:], y[8:])
-    assert model._open_micro_steps() == 1
+    assert model._accumulation.open_micro_steps() == 1
     model.layers[1].trainable = True
     model.apply_open_window()
     plain = windows_reference(x, y, [list(range(8))],

@@ -34,9 +34,9 @@ class WindowSizes(keras.callbacks.Callback):
 
 def _refused_by_this_keras(model, x, y, **fit_kwargs):
     """True, after checking the error, where Keras cannot stop cleanly."""
-    from accum_model import _keras_private
+    from accum_model._chooser import adapter
 
-    if _keras_private.executions_stop_cleanly_at_end_of_data():
+    if adapter.executions_stop_cleanly_at_end_of_data():
         return False
     with pytest.raises(ValueError, match="steps_per_execution=1"):
         model.fit(x, y, **fit_kwargs)
@@ -186,7 +186,7 @@ def test_fit_stopped_mid_epoch_leaves_no_epoch_length_behind():
     for start in range(0, 64, 8):
         model.train_on_batch(x[start:start + 8], y[start:start + 8])
     assert iterations(model) == 3
-    assert model._open_micro_steps() == 0
+    assert model._accumulation.open_micro_steps() == 0
 
 
 def test_window_rebuilt_after_fit_forgets_the_epochs_length():
@@ -200,7 +200,7 @@ def test_window_rebuilt_after_fit_forgets_the_epochs_length():
     for start in range(0, 128, 8):
         model.train_on_batch(x[start:start + 8], y[start:start + 8])
     assert iterations(model) == 4
-    assert model._open_micro_steps() == 0
+    assert model._accumulation.open_micro_steps() == 0
 
 
 def test_n_gradients_changed_between_fits_takes_effect():

@@ -14,11 +14,11 @@ import pytest
 import tensorflow as tf
 
 from accum_model import AccumulatingModel
-from accum_model import _adapter
+from accum_model import _chooser
 from accum_model import accumulating
 
 pytestmark = pytest.mark.skipif(
-    _adapter.KERAS_MAJOR != 2, reason="tf.keras is not Keras 2 here"
+    _chooser.KERAS_MAJOR != 2, reason="tf.keras is not Keras 2 here"
 )
 
 keras = tf.keras
@@ -665,7 +665,7 @@ def test_resume_from_the_middle_of_a_window_is_exact(how, tmp_path):
 
     first = fresh()
     _train_micro_batches(first, x, y, 0, 6)
-    assert first._open_micro_steps() == 2
+    assert first._accumulation.open_micro_steps() == 2
     path = str(tmp_path / "ckpt")
     # Restored before the first step builds the window and the optimizer:
     # both wait for their variables.
@@ -676,7 +676,7 @@ def test_resume_from_the_middle_of_a_window_is_exact(how, tmp_path):
     else:
         tf.train.Checkpoint(model=first).write(path)
         tf.train.Checkpoint(model=resumed).read(path).expect_partial()
-    assert resumed._open_micro_steps() == 2
+    assert resumed._accumulation.open_micro_steps() == 2
     _train_micro_batches(resumed, x, y, 6, 10)
     resumed.apply_open_window()
     assert iterations(resumed) == iterations(reference) == 3
@@ -706,7 +706,7 @@ def test_window_carried_over_an_epoch_survives_backup_and_restore(tmp_path):
     with pytest.raises(RuntimeError, match="interrupted"):
         interrupted.fit(x, y, batch_size=8, epochs=2, shuffle=False,
                         verbose=0, callbacks=[backup, _StopAfterEpoch()])
-    assert interrupted._open_micro_steps() == 2
+    assert interrupted._accumulation.open_micro_steps() == 2
     resumed = fresh()
     resumed.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
                 callbacks=[backup])

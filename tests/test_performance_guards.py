@@ -44,7 +44,7 @@ def test_accumulators_hold_one_float32_copy_of_the_trainable_parameters(
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     parameters = sum(int(np.prod(w.shape)) for w in model.trainable_weights)
     assert model.accumulator_bytes == 4 * parameters
-    window = model._gradient_window
+    window = model._accumulation.window
     for accumulator, variable in zip(window.gradient_sums,
                                      model.trainable_weights):
         assert accumulator.dtype == tf.float32

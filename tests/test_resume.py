@@ -131,7 +131,7 @@ def test_resume_from_the_middle_of_a_window_is_exact(how, optimizer, tmp_path):
     _first_run_saving(optimizer, save)
 
     resumed = load()
-    assert resumed._open_micro_steps() == SAVED_AFTER % N_GRADIENTS
+    assert resumed._accumulation.open_micro_steps() == SAVED_AFTER % N_GRADIENTS
     _rest_of_the_epoch(resumed)
 
     assert iterations(resumed) == iterations(reference) == 3
@@ -164,8 +164,8 @@ def test_window_restored_before_it_is_built_waits_for_it(tmp_path):
     resumed = mlp(AccumulatingModel, n_gradients=N_GRADIENTS)
     resumed.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     resumed.load_weights(file)
-    assert resumed._gradient_window is None
-    assert resumed._open_micro_steps() == SAVED_AFTER % N_GRADIENTS
+    assert resumed._accumulation.window is None
+    assert resumed._accumulation.open_micro_steps() == SAVED_AFTER % N_GRADIENTS
     _rest_of_the_epoch(resumed)
 
     reference = mlp(AccumulatingModel, n_gradients=N_GRADIENTS)
@@ -196,9 +196,9 @@ def test_file_without_a_window_empties_the_open_window(tmp_path):
     model = compiled("sgd")
     x, y = _data()
     model.train_on_batch(x[:MICRO_BATCH], y[:MICRO_BATCH])
-    assert model._open_micro_steps() == 1
+    assert model._accumulation.open_micro_steps() == 1
     model.load_weights(file)
-    assert model._open_micro_steps() == 0
+    assert model._accumulation.open_micro_steps() == 0
     assert max_weight_difference(model, plain) == 0.0
 
 
@@ -247,7 +247,7 @@ def test_window_carried_over_an_epoch_survives_backup_and_restore(tmp_path):
                        _StopAfterEpoch(0)],
         )
     # 10 micro-batches per epoch, windows of 4: 2 are carried over.
-    assert interrupted._open_micro_steps() == 2
+    assert interrupted._accumulation.open_micro_steps() == 2
 
     resumed = fresh()
     resumed.fit(x, y, batch_size=MICRO_BATCH, epochs=epochs, shuffle=False,
@@ -339,7 +339,7 @@ def test_model_with_a_window_open_exports_for_serving(tmp_path):
     x, y = _data()
     model = compiled("adam")
     model.train_on_batch(x[:MICRO_BATCH], y[:MICRO_BATCH])
-    assert model._open_micro_steps() == 1
+    assert model._accumulation.open_micro_steps() == 1
     model.export(str(tmp_path / "exported"), verbose=False)
     exported = tf.saved_model.load(str(tmp_path / "exported"))
     served = exported.serve(x[:4])
@@ -357,7 +357,7 @@ def test_resume_keeps_a_window_of_another_accumulator_dtype(dtype, tmp_path):
     resumed.optimizer.build(resumed.trainable_variables)
     resumed.load_weights(file)
     _rest_of_the_epoch(resumed)
-    assert resumed._gradient_window.gradient_sums[0].dtype == dtype
+    assert resumed._accumulation.window.gradient_sums[0].dtype == dtype
     assert iterations(resumed) == iterations(reference) == 3
     assert max_weight_difference(resumed, reference) <= 2e-5
 

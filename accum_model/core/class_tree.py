@@ -1,9 +1,10 @@
 """Questions about a model class's MRO, the same for every Keras.
 
 Which classes override a Keras method, what their code refers to, and which
-`__init__` comes after AccumulatingModel's. Keras's own classes live in the
-`keras` package (Keras 3, and TensorFlow 2.13-2.15's Keras 2) or in
-`tf_keras`.
+`__init__` comes after the accumulating base class's. Keras's own classes
+live in the `keras` package (Keras 3, and TensorFlow 2.13-2.15's Keras 2) or
+in `tf_keras`; they are recognised by their module's name, so this module
+imports no Keras.
 """
 
 import inspect
@@ -16,20 +17,36 @@ def is_keras_class(cls):
     return cls.__module__.split(".")[0] in _KERAS_PACKAGES or cls is object
 
 
-def next_init_class(model_class):
-    """The first class after AccumulatingModel in the MRO with an `__init__`."""
-    from accum_model.accumulating_model import AccumulatingModel
+def accumulating_base(model_class):
+    """The class in `model_class`'s MRO that marks itself as the base.
 
+    AccumulatingModel sets `_accum_model_base = True` in its own namespace
+    (subclasses inherit the attribute, not the entry), so classes below the
+    model layer can find it without importing it.
+    """
+    for cls in model_class.__mro__:
+        if cls.__dict__.get("_accum_model_base", False):
+            return cls
+    raise TypeError(f"{model_class.__name__} is not an accumulating class")
+
+
+def next_init_class(model_class, after):
+    """The first class after `after` in `model_class`'s MRO with an `__init__`.
+
+    Args:
+        model_class: The class whose MRO is walked.
+        after: A class in that MRO (AccumulatingModel, in practice).
+    """
     mro = model_class.__mro__
-    for cls in mro[mro.index(AccumulatingModel) + 1:]:
+    for cls in mro[mro.index(after) + 1:]:
         if "__init__" in cls.__dict__:
             return cls
     return object
 
 
-def next_init_is_keras_model(model_class):
-    """Whether the `__init__` after AccumulatingModel's is Keras's own."""
-    cls = next_init_class(model_class)
+def next_init_is_keras_model(model_class, after):
+    """Whether the `__init__` after `after`'s is Keras's own."""
+    cls = next_init_class(model_class, after)
     return is_keras_class(cls) or getattr(cls, "_accum_model_router", False)
 
 

@@ -3,9 +3,10 @@
 A checkpoint taken between two updates holds the weights and optimizer state
 of the last update; without the window, the micro-batches seen since then
 would be lost on resume. `WindowCheckpoint` is an attribute of the model that
-Keras files and TensorFlow checkpoints both carry (see
-`private.SavedWithModel`). It saves the window as the whole window:
-accumulators and weight sums summed over replicas, counters as they are.
+TensorFlow checkpoints carry (see `SavedInTfCheckpoints`); each Keras
+adapter's `WindowCheckpoint` adds the Keras file formats that can carry it.
+It saves the window as the whole window: accumulators and weight sums
+summed over replicas, counters as they are.
 
 Restoring writes each replica an equal share of the sums, so that they add up
 to what was saved whatever the number of replicas or workers (the window end
@@ -19,7 +20,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from accum_model._adapter import private
+from accum_model.core.tf_checkpoint import SavedInTfCheckpoints
 
 # Counters saved with the window, in the order of the "counters" array. The
 # windows after the open one take the loading model's length, so only the
@@ -30,21 +31,21 @@ _COUNTERS = ("weight_sum", "sample_sum", "micro_steps", "skipped_windows",
 _SUMMED = ("weight_sum", "sample_sum")
 
 
-class WindowCheckpoint(private.SavedWithModel):
-    """Saves and restores the window of `model`.
+class WindowCheckpoint(SavedInTfCheckpoints):
+    """Saves and restores the window of an `Accumulation`.
 
     Args:
-        model: The `AccumulatingModel` whose `_gradient_window` is saved.
+        accumulation: The `Accumulation` whose window is saved.
     """
 
-    def __init__(self, model):
-        self._model = weakref.ref(model)
+    def __init__(self, accumulation):
+        self._accumulation = weakref.ref(accumulation)
         # A restored window waiting for the model to build its own.
         self._pending = None
 
     def _window(self):
-        model = self._model()
-        return None if model is None else model._gradient_window
+        accumulation = self._accumulation()
+        return None if accumulation is None else accumulation.window
 
     def has_state(self):
         return self._window() is not None or self._pending is not None
@@ -94,13 +95,13 @@ class WindowCheckpoint(private.SavedWithModel):
             self._pending = arrays
             return
         self._pending = None
-        _write(window, arrays, self._model())
+        _write(window, arrays, self._accumulation())
 
     def window_built(self, window):
         """Writes a restored window into the window the model just built."""
         if self._pending is not None:
             arrays, self._pending = self._pending, None
-            _write(window, arrays, self._model())
+            _write(window, arrays, self._accumulation())
 
     def pending_count(self, name):
         """A counter of the restored window not yet written, else 0.
@@ -122,14 +123,14 @@ def _empty_state():
     }
 
 
-def _write(window, arrays, model):
+def _write(window, arrays, accumulation):
     """Writes `arrays` into `window` (eagerly, cross-replica context).
 
     The open window keeps the length it was started with; the windows after
     it take the model's own length, which may differ from the saving
     model's.
     """
-    strategy = model.distribute_strategy
+    strategy = window.strategy
     sizes = [int(s.shape.num_elements()) for s in window.gradient_sums]
     saved_sizes = [int(n) for n in arrays["sizes"]]
     counters = dict(zip(_COUNTERS, arrays["counters"].tolist()))
@@ -166,7 +167,7 @@ def _write(window, arrays, model):
     window.has_gradient = [
         now or saved for now, saved in zip(window.has_gradient, has_gradient)
     ]
-    window.set_length(model._window_policy.length_for_epoch(model._epoch))
+    window.set_length(accumulation.window_length())
 
 
 def _assign_share(variable, value):

@@ -1,9 +1,9 @@
-"""The window as users steer and see it: length, dtype, update signal.
+"""The accumulation settings a user chooses, validated once.
 
 `n_gradients` is an int, or a schedule `{epoch: n}` whose values hold from
 their (0-based) epoch on, with windows of 1 before the smallest key.
-`accumulator_dtype` is the dtype the accumulators sum in. `UpdateSignal`
-tells callbacks whether the micro-batch just trained ended with an update.
+`flush_each_epoch` says whether a window ends with its epoch.
+`accumulator_dtype` is the dtype the accumulators sum in.
 """
 
 import numbers
@@ -78,17 +78,64 @@ def check_accumulator_dtype(accumulator_dtype):
     return name
 
 
-class WindowPolicy:
-    """Window length by epoch, and the accumulators' dtype.
+def check_flush_each_epoch(flush_each_epoch):
+    """Returns `flush_each_epoch`, or raises a `ValueError` if not a bool."""
+    if not isinstance(flush_each_epoch, bool):
+        raise ValueError(
+            "`flush_each_epoch` must be True or False. "
+            f"Received: flush_each_epoch={flush_each_epoch!r}"
+        )
+    return flush_each_epoch
+
+
+class Settings:
+    """The constructor arguments of an accumulating model, validated.
 
     Args:
         n_gradients: Int >= 1, or a dict `{epoch: n}` (see module doc).
+        flush_each_epoch: Bool.
         accumulator_dtype: One of `ACCUMULATOR_DTYPES`.
+
+    Raises:
+        ValueError: An argument is not one of its allowed values; the message
+            names it.
     """
 
-    def __init__(self, n_gradients, accumulator_dtype="float32"):
+    # The defaults of the model's constructor and of `accumulating()`.
+    DEFAULTS = {"n_gradients": 1, "flush_each_epoch": True,
+                "accumulator_dtype": "float32"}
+
+    def __init__(self, n_gradients=1, flush_each_epoch=True,
+                 accumulator_dtype="float32"):
         self.n_gradients = check_n_gradients(n_gradients)
+        self.flush_each_epoch = check_flush_each_epoch(flush_each_epoch)
         self.accumulator_dtype = check_accumulator_dtype(accumulator_dtype)
+
+    @classmethod
+    def from_config(cls, config, defaults=None):
+        """Settings from a `get_config` dict; missing keys from `defaults`."""
+        values = dict(defaults or cls.DEFAULTS)
+        values.update({k: config[k] for k in cls.DEFAULTS if k in config})
+        values["n_gradients"] = n_gradients_from_config(values["n_gradients"])
+        return cls(**values)
+
+    def as_dict(self):
+        """The settings by constructor argument name."""
+        return {name: getattr(self, name) for name in self.DEFAULTS}
+
+    def non_defaults(self):
+        """The settings that differ from the constructor's defaults."""
+        return {k: v for k, v in self.as_dict().items()
+                if v != self.DEFAULTS[k]}
+
+    def __eq__(self, other):
+        return isinstance(other, Settings) and (
+            self.as_dict() == other.as_dict()
+        )
+
+    def __repr__(self):
+        arguments = ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items())
+        return f"Settings({arguments})"
 
     @property
     def accumulates(self):
@@ -123,39 +170,3 @@ class WindowPolicy:
         and counted, with or without loss scaling, never applied.
         """
         return self.accumulator_dtype in ("float16", "bfloat16")
-
-
-class UpdateSignal:
-    """Whether the last run of the train function applied an update.
-
-    Before each run of the train function (one micro-batch, or
-    `steps_per_execution` of them) the optimizer's update count is copied,
-    on the device, without waiting for it; `applied()` compares it with the
-    count now, so only reading the signal waits for the step to finish.
-    """
-
-    def __init__(self):
-        self._count_before = None
-        self._optimizer = None
-
-    def watching(self, train_function, optimizer):
-        """Wraps `train_function` to note the count before each run."""
-
-        def train_function_noting_updates(iterator):
-            self._optimizer = optimizer
-            self._count_before = tf.convert_to_tensor(_updates(optimizer))
-            return train_function(iterator)
-
-        return train_function_noting_updates
-
-    def applied(self):
-        if self._count_before is None:
-            return False
-        now = int(tf.convert_to_tensor(_updates(self._optimizer)).numpy())
-        return now > int(self._count_before.numpy())
-
-
-def _updates(optimizer):
-    # Under loss scaling the inner optimizer counts the updates applied
-    # (before keras 3.9 the outer one keeps a count of its own).
-    return getattr(optimizer, "inner_optimizer", optimizer).iterations

@@ -1,43 +1,20 @@
-"""Everything that knows about Keras 3's `LossScaleOptimizer`.
-
-Keras 2's counterpart is `_keras2_private.LossScaling`, with the same
-methods.
+"""Keras 3's `LossScaleOptimizer`, taken apart for windows.
 
 Keras 3's `LossScaleOptimizer` scales the loss with `scale_loss()` and
-unscales, checks and applies in one `apply()` call per step. A window spans
-several micro steps, so accum_model takes those duties apart: each micro
-step scales its loss and unscales its gradients into float32 accumulators,
-and the window end applies the unscaled mean gradient with the *inner*
-optimizer, then updates the dynamic scale exactly as `LossScaleOptimizer`
-would after one step on the large batch.
+unscales, checks and applies in one `apply()` call per step; `LossScaling`
+does each of those duties at its own point of the window (see
+`accum_model.core.optimizer_duties`). Reads `dynamic_scale`, `step_counter`,
+`dynamic_growth_steps` and `initial_scale` (public attributes, checked on
+keras 3.6.0, 3.10.0 and 3.15.1).
 """
 
 import tensorflow as tf
+from keras import optimizers
 
-from accum_model._accumulator import is_overwritten_with_gradient
+from accum_model.core.optimizer_duties import OptimizerDuties
+from accum_model.core.window import is_overwritten_with_gradient
 
-
-class OptimizerDuties:
-    """The compiled optimizer, split into its loss scaler and its updater.
-
-    Args:
-        optimizer: The compiled optimizer.
-        loss_scale_optimizer_class: The Keras's `LossScaleOptimizer` class.
-    """
-
-    def __init__(self, optimizer, loss_scale_optimizer_class):
-        self.optimizer = optimizer
-        if isinstance(optimizer, loss_scale_optimizer_class):
-            self.loss_scale_optimizer = optimizer
-            self.update_optimizer = optimizer.inner_optimizer
-        else:
-            self.loss_scale_optimizer = None
-            self.update_optimizer = optimizer
-
-    @property
-    def active(self):
-        """Whether the loss is scaled (a `LossScaleOptimizer` is compiled)."""
-        return self.loss_scale_optimizer is not None
+__all__ = ["LossScaling"]
 
 
 class LossScaling(OptimizerDuties):
@@ -51,10 +28,6 @@ class LossScaling(OptimizerDuties):
     clips_before_summing_replicas = True
 
     def __init__(self, optimizer):
-        # Imported here: a Keras 2 process uses only `OptimizerDuties` from
-        # this module and must not import Keras 3 at start-up.
-        from keras import optimizers
-
         super().__init__(optimizer, optimizers.LossScaleOptimizer)
 
     def is_built(self):

@@ -9,7 +9,6 @@ optimizer update taken under a condition). These helpers hide which.
 import tensorflow as tf
 
 
-
 def for_each_replica(fn, *args):
     """Runs `fn(*args)` once on every replica and returns its result(s)."""
     if tf.distribute.in_cross_replica_context():
@@ -87,13 +86,13 @@ def run_if(predicate, fn):
     both contexts (see `for_each_replica`, `sum_over_replicas`).
     """
     if _strategy_supports_no_merge_call():
-        tf.cond(predicate, _returning_nothing(fn), _do_nothing)
+        tf.cond(predicate, without_result(fn), do_nothing)
         return
 
     def cross_replica(strategy, per_replica_predicate):
         # Every replica computed the same predicate: take the first.
         value = strategy.experimental_local_results(per_replica_predicate)[0]
-        tf.cond(value, _returning_nothing(fn), _do_nothing)
+        tf.cond(value, without_result(fn), do_nothing)
 
     tf.distribute.get_replica_context().merge_call(
         cross_replica, args=(predicate,)
@@ -109,12 +108,14 @@ def _strategy_supports_no_merge_call():
     return tf.__internal__.distribute.strategy_supports_no_merge_call()
 
 
-def _returning_nothing(fn):
+def without_result(fn):
+    """`fn` as a `tf.cond` branch that returns nothing."""
+
     def branch():
         fn()
 
     return branch
 
 
-def _do_nothing():
-    pass
+def do_nothing():
+    """A `tf.cond` branch that does nothing."""

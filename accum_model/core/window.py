@@ -1,9 +1,4 @@
-"""Per-replica gradient accumulators and the counters of the open window.
-
-Vocabulary, used everywhere in accum_model: a *micro step* is one
-micro-batch seen by `train_step`; a *window* is the micro steps whose
-gradients make one optimizer update; a *gradient step* is that update.
-"""
+"""Per-replica gradient accumulators and the counters of the open window."""
 
 import tensorflow as tf
 
@@ -27,7 +22,7 @@ class GradientWindow:
     never applied.
 
     The variables are not tracked by Keras, so they stay out of
-    `model.weights`; checkpoints carry them through `_window_checkpoint`.
+    `model.weights`; checkpoints carry them through `checkpoint`.
 
     Args:
         trainable_variables: List of the model's trainable variables, in the
@@ -42,6 +37,7 @@ class GradientWindow:
     def __init__(self, trainable_variables, strategy, steps_left_in_epoch=-1,
                  length=1, accumulator_dtype=tf.float32):
         self.trainable_variables = list(trainable_variables)
+        self.strategy = strategy
         # Which variables received a gradient, learned when the training
         # step is traced; variables without one are never updated.
         self.has_gradient = [False] * len(self.trainable_variables)

@@ -1,6 +1,6 @@
 """The end of a window: one optimizer update (or a skip), then an empty window.
 
-Written once for replica and cross-replica context (see `_replicas`). The
+Written once for replica and cross-replica context (see `replicas`). The
 only communication a window costs is here: one small reduction of the
 window's weight, samples and finiteness, and the optimizer's reduction of
 the gradients.
@@ -10,7 +10,7 @@ import functools
 
 import tensorflow as tf
 
-from accum_model import _replicas
+from accum_model.core import replicas
 
 
 class WindowEnd:
@@ -41,9 +41,10 @@ class WindowEnd:
         self._apply_open_functions = {}
 
     @classmethod
-    def for_model(cls, window, loss_scaling, model):
-        """The window end of `model`'s compiled set-up."""
-        strategy = model.distribute_strategy
+    def for_window(cls, window, loss_scaling, run_eagerly,
+                   accumulators_may_overflow):
+        """The window end of a compiled set-up (see the class's arguments)."""
+        strategy = window.strategy
         # Keras 3 clips each replica's gradients before summing them over
         # replicas; to clip the window's gradient as one device would, it is
         # summed first (one more reduction per window, only in this case).
@@ -56,11 +57,11 @@ class WindowEnd:
             for name in ("clipnorm", "clipvalue", "global_clipnorm")
         )
         return cls(window, loss_scaling, strategy, reduce_before_clipping,
-                   model.run_eagerly, model._window_policy.may_overflow)
+                   run_eagerly, accumulators_may_overflow)
 
     def end_if(self, should_end):
         """From replica context: ends the window when `should_end` holds."""
-        _replicas.run_if(should_end, self.end)
+        replicas.run_if(should_end, self.end)
 
     def end(self):
         """Applies the window (or skips it on overflow), then empties it.
@@ -70,7 +71,7 @@ class WindowEnd:
         """
         window = self.window
         scaling = self.loss_scaling
-        totals = _replicas.sum_over_replicas(
+        totals = replicas.sum_over_replicas(
             lambda: tf.stack(
                 [window.weight_sum, window.sample_sum, window.local_is_finite()]
             )
@@ -82,30 +83,30 @@ class WindowEnd:
         finite = tf.equal(totals[2], float(num_replicas))
 
         def update():
-            _replicas.for_each_replica(self._apply_mean_gradients, total_weight)
+            replicas.for_each_replica(self._apply_mean_gradients, total_weight)
             scaling.after_update()
 
         def skip():
             scaling.after_overflow()
-            _replicas.for_each_replica(
+            replicas.for_each_replica(
                 lambda: window.skipped_windows.assign_add(1)
             )
 
         def update_or_skip():
             if self.checks_finite:
-                tf.cond(finite, _no_result(update), _no_result(skip))
+                tf.cond(finite, replicas.without_result(update), replicas.without_result(skip))
             else:
                 update()
 
-        tf.cond(total_samples > 0, _no_result(update_or_skip), _do_nothing)
-        _replicas.for_each_replica(window.reset)
+        tf.cond(total_samples > 0, replicas.without_result(update_or_skip), replicas.do_nothing)
+        replicas.for_each_replica(window.reset)
 
     def _apply_mean_gradients(self, total_weight):
         """Replica context: hands the window gradient to the optimizer."""
         window = self.window
         gradients = window.mean_gradients(total_weight)
         if self.reduce_before_clipping:
-            gradients = _replicas.summed_into_first_replica(gradients)
+            gradients = replicas.summed_into_first_replica(gradients)
         pairs = [
             (g, v)
             for g, v in zip(gradients, window.trainable_variables)
@@ -141,13 +142,3 @@ def _apply_open_window(window_end):
         lambda: window_end.end_if(window_end.window.micro_steps > 0)
     )
 
-
-def _no_result(fn):
-    def branch():
-        fn()
-
-    return branch
-
-
-def _do_nothing():
-    pass

@@ -1,16 +1,15 @@
 """What Keras divides a micro-batch's loss by.
 
 A window is exact when each micro-batch's gradient is weighted by that
-divisor. It is read where Keras reduces each loss (see
-`private.recording_loss_reductions`), where every mask is known: the
-Keras mask on the prediction, the mask a loss makes itself (such as
-`ignore_class`), and the sample weights.
+divisor. Each Keras adapter reads it where its Keras reduces a loss (its
+`recording_loss_reductions`), where every mask is known: the Keras mask on
+the prediction, the mask a loss makes itself (such as `ignore_class`), and
+the sample weights. This module holds the arithmetic both share.
 """
 
 import tensorflow as tf
 
-from accum_model import _checks
-from accum_model._adapter import private
+from accum_model.core.messages import warn_once
 
 # A loss reduced with "sum" is divided by nothing: its window is the sum.
 SUM = "sum"
@@ -35,25 +34,31 @@ class Reduction:
         self.may_vary = may_vary
 
 
-def reduction_of(values, sample_weight, mask, reduction):
-    """The `Reduction` Keras applies to per-element loss `values`."""
+def reduction_of(values, reduction, mask=None, weight_sum=None):
+    """The `Reduction` Keras applies to per-element loss `values`.
+
+    Args:
+        values: The per-element losses before reduction.
+        reduction: Str. The loss's reduction, as the Keras in use names it
+            ("sum_over_batch_size", "mean", "mean_with_sample_weight",
+            "sum"; None or "none" for an unreduced loss).
+        mask: Bool tensor of the valid elements, or None.
+        weight_sum: Float32 scalar tensor, or None. What a mean weighted by
+            the sample weights (Keras 3's "mean_with_sample_weight") divides
+            by, when it does.
+    """
     values = tf.convert_to_tensor(values)
-    unknown_length = any(d is None for d in values.shape[1:])
     if reduction in (None, "none") or values.shape.rank == 0:
         return Reduction(reduction, None, may_vary=True)
     if reduction == SUM:
         return Reduction(SUM, None, may_vary=False)
-    if reduction == "mean_with_sample_weight" and (
-        sample_weight is not None or mask is not None
-    ):
-        weights = private.merged_sample_weight(
-            values, sample_weight, mask, reduction
-        )
-        return Reduction(reduction, tf.reduce_sum(weights), may_vary=True)
+    if weight_sum is not None:
+        return Reduction(reduction, weight_sum, may_vary=True)
     if mask is not None:
         valid = tf.reduce_sum(tf.cast(mask, tf.float32))
         return Reduction(reduction, valid, may_vary=True)
     count = tf.cast(tf.size(values), tf.float32)
+    unknown_length = any(d is None for d in values.shape[1:])
     return Reduction(reduction, count, may_vary=unknown_length)
 
 
@@ -63,16 +68,29 @@ def batch_size(x):
     return tf.shape(first_input)[0]
 
 
-def micro_batch_weight(reductions, x, y_pred, model_name, has_other_losses):
+def is_summed(reductions):
+    """Whether every loss term was reduced with "sum" (none divides)."""
+    return bool(reductions) and all(r.reduction == SUM for r in reductions)
+
+
+def micro_batch_weight(reductions, fallback, model_name, has_other_losses):
     """The micro-batch weight from the reductions of its loss terms.
 
     One term, or several whose divisors keep one ratio: the first term's
     divisor, exact. Several that may not: the first term's, with a one-time
     warning naming `micro_batch_weight`. Returns `SUM` for losses reduced
     by "sum".
+
+    Args:
+        reductions: List of `Reduction`, one per loss term.
+        fallback: Callable returning the divisor read from the prediction
+            (see `fallback_divisor`), for when no term says it.
+        model_name: Str. Names the model in warnings.
+        has_other_losses: Bool. Whether the model adds losses of its own
+            (regularization, `add_loss`).
     """
     if not reductions:
-        return fallback_divisor(x, y_pred)
+        return fallback()
     first = reductions[0]
     kinds = {r.reduction == SUM for r in reductions}
     if kinds == {True}:
@@ -97,8 +115,7 @@ def micro_batch_weight(reductions, x, y_pred, model_name, has_other_losses):
     if first.divisor is None:
         # A loss that was a scalar before reduction (an output of shape
         # `(batch,)`, say): its mean ran over the prediction's elements.
-        first = Reduction(first.reduction, fallback_divisor(x, y_pred),
-                          first.may_vary)
+        first = Reduction(first.reduction, fallback(), first.may_vary)
     if len(reductions) > 1 and any(r.may_vary for r in reductions):
         _warn_once(
             model_name,
@@ -112,17 +129,22 @@ def micro_batch_weight(reductions, x, y_pred, model_name, has_other_losses):
     return first.divisor
 
 
-def fallback_divisor(x, y_pred):
+def fallback_divisor(x, y_pred, get_mask):
     """Keras's divisor read from the first output, when no loss was seen.
 
     Losses reduce the last axis of the prediction, so an element is one
     position of `y_pred.shape[:-1]`, or a valid one under a Keras mask.
+
+    Args:
+        x: The micro-batch's inputs.
+        y_pred: The predictions (nested structure).
+        get_mask: Callable returning a tensor's Keras mask, or None.
     """
     outputs = [o for o in tf.nest.flatten(y_pred) if o is not None]
     if not outputs:
         return tf.cast(batch_size(x), tf.float32)
     output = outputs[0]
-    mask = private.get_keras_mask(output)
+    mask = get_mask(output)
     if mask is not None:
         return tf.reduce_sum(tf.cast(mask, tf.float32))
     shape = tf.shape(output)
@@ -132,4 +154,4 @@ def fallback_divisor(x, y_pred):
 
 
 def _warn_once(model_name, message):
-    _checks.warn_once(model_name, f"{model_name}: {message}")
+    warn_once(model_name, f"{model_name}: {message}")

@@ -1,0 +1,255 @@
+"""The accumulation a model holds: where the promise is kept.
+
+n micro-batches of b samples train like one batch of n*b. Each micro step
+adds its micro-batch's gradients to the window, weighted by what the loss
+divided that micro-batch by; the window's end divides by the window's total
+weight, which makes the applied gradient the large batch's, and applies it
+with one optimizer update. Optimizer state, `iterations`, schedules,
+clipping and weight decay therefore only move on gradient steps.
+
+`Accumulation` is plain state and the operations on it, with no Keras in
+it: the model (the layer above) passes in what Keras decides — the
+strategy, the trainable variables, the compiled optimizer's duties — and
+asks it to add a micro step, start an epoch or apply the open window.
+"""
+
+import warnings
+
+import tensorflow as tf
+
+from accum_model.core import replicas
+from accum_model.core.messages import window_is_open
+from accum_model.core.update_signal import UpdateSignal
+from accum_model.core.window import GradientWindow
+from accum_model.core.window_end import WindowEnd
+
+
+class Accumulation:
+    """The window state of one model, and its life cycle.
+
+    Args:
+        settings: The `Settings` to accumulate with.
+
+    Attributes:
+        settings: The `Settings` in force.
+        window: The `GradientWindow` being accumulated, or None before the
+            first training step builds it.
+        window_end: The `WindowEnd` that applies `window`, or None.
+        loss_scaling: The compiled optimizer's duties (the adapter's
+            `LossScaling`), or None before training is set up.
+        update_signal: The `UpdateSignal` callbacks read.
+        checkpoint: The `WindowCheckpoint` that checkpoints carry, set by
+            the model (its class depends on the Keras).
+        epoch: Int. The 0-based epoch being trained.
+        weight_from_batch_size: Bool. Whether micro-batches are weighted by
+            their number of samples (a loss whose divisor is unknown).
+    """
+
+    def __init__(self, settings):
+        self.settings = settings
+        self.window = None
+        self.window_end = None
+        self.loss_scaling = None
+        self.update_signal = UpdateSignal()
+        self.checkpoint = None
+        self.epoch = 0
+        self.weight_from_batch_size = False
+        # Micro steps in the current epoch, or -1 when unknown or when
+        # windows carry across epochs.
+        self._epoch_steps = -1
+        self._run_eagerly = False
+
+    # Settings --------------------------------------------------------------
+
+    @property
+    def accumulates(self):
+        return self.settings.accumulates
+
+    def window_length(self):
+        """Int. Micro-batches per window in the current epoch."""
+        return self.settings.length_for_epoch(self.epoch)
+
+    def reconfigure(self, settings):
+        """Takes new settings, at a window boundary only.
+
+        Returns:
+            Whether the settings changed (the training step must be traced
+            anew if so).
+
+        Raises:
+            ValueError: A window is open and the settings differ.
+        """
+        if settings == self.settings:
+            return False
+        open_steps = self.open_micro_steps()
+        if open_steps:
+            changed = ", ".join(
+                f"{name}={value!r}"
+                for name, value in settings.as_dict().items()
+                if value != self.settings.as_dict()[name]
+            )
+            raise ValueError(
+                "The accumulation settings can only change at a window "
+                f"boundary, and the model has {window_is_open(open_steps)}. "
+                f"Received: {changed}"
+            )
+        if settings.accumulator_dtype != self.settings.accumulator_dtype:
+            # The next step builds the window anew in the new dtype.
+            self.window = None
+            self.window_end = None
+        self.settings = settings
+        if self.window is not None:
+            self.window.set_length(self.window_length())
+        return True
+
+    # What users read -------------------------------------------------------
+
+    def open_micro_steps(self):
+        """Int. Micro-batches accumulated and not yet applied."""
+        if self.window is None:
+            return self.checkpoint.pending_count("micro_steps")
+        return int(self.window.micro_steps.numpy())
+
+    def skipped_windows(self):
+        """Int. Windows skipped because a gradient overflowed."""
+        if self.window is None:
+            return self.checkpoint.pending_count("skipped_windows")
+        return int(self.window.skipped_windows.numpy())
+
+    def accumulator_bytes(self):
+        """Int. Bytes held by one replica's accumulators."""
+        return 0 if self.window is None else self.window.accumulator_bytes
+
+    # Set-up ----------------------------------------------------------------
+
+    def set_up(self, loss_scaling, run_eagerly):
+        """Decides, once per compiled set-up, how windows are applied.
+
+        Args:
+            loss_scaling: The compiled optimizer's duties.
+            run_eagerly: Bool. Whether the model trains eagerly.
+        """
+        self.loss_scaling = loss_scaling
+        self._run_eagerly = run_eagerly
+        if self.window is not None:
+            self.window_end = self._make_window_end(self.window)
+
+    def check_window_fits(self, trainable_variables):
+        """Refuses to forget gradients when the trainable weights changed.
+
+        After this error the open window is kept as it was, with the
+        optimizer and variables it was started with; `apply_open_window()`
+        applies it to those and lets training go on with the new ones.
+        """
+        window = self.window
+        if window is None or window.matches(trainable_variables):
+            return
+        open_steps = self.open_micro_steps()
+        if open_steps:
+            raise ValueError(
+                "The model's trainable weights changed while it had "
+                f"{window_is_open(open_steps)}, before changing which "
+                "weights are trainable. Received: "
+                f"{len(trainable_variables)} trainable variables, "
+                f"window built for {len(window.trainable_variables)}"
+            )
+
+    def ensure_state(self, trainable_variables, strategy):
+        """Creates optimizer and window variables for `trainable_variables`.
+
+        Runs in the training step, after the forward pass, because only then
+        does every weight exist: a subclassed model creates its weights in
+        its first call, and a layer used only in training in its first
+        training call.
+        """
+        variables = list(trainable_variables)
+        if not variables:
+            # What Keras's own step says; the window then updates nothing.
+            warnings.warn("The model does not have any trainable weights.")
+        window = self.window
+        if (window is not None and window.matches(variables)
+                and self.loss_scaling.is_built()):
+            return
+        replicas.in_cross_replica_context(
+            lambda: self._build_state(variables, strategy)
+        )
+
+    def _build_state(self, variables, strategy):
+        with tf.init_scope():
+            self.check_window_fits(variables)
+            if not self.loss_scaling.is_built():
+                with strategy.scope():
+                    self.loss_scaling.build(variables)
+            window = self.window
+            if window is None or not window.matches(variables):
+                self.window = GradientWindow(
+                    variables, strategy, self._epoch_steps,
+                    length=self.window_length(),
+                    accumulator_dtype=self.settings.dtype,
+                )
+                self.checkpoint.window_built(self.window)
+                self.window_end = self._make_window_end(self.window)
+
+    def _make_window_end(self, window):
+        return WindowEnd.for_window(
+            window, self.loss_scaling, self._run_eagerly,
+            self.settings.may_overflow,
+        )
+
+    # Training --------------------------------------------------------------
+
+    def start_epoch(self, steps, epoch=None):
+        """Called as an epoch begins (None as training ends).
+
+        Args:
+            steps: Int. Micro steps in the epoch, or None if unknown.
+            epoch: Int. The 0-based epoch, or None to keep the current one.
+        """
+        known = self.settings.flush_each_epoch and steps
+        self._epoch_steps = int(steps) if known else -1
+        if epoch is not None:
+            self.epoch = epoch
+        window = self.window
+        if window is not None:
+            window.steps_left_in_epoch.assign(self._epoch_steps)
+            window.set_length(self.window_length())
+
+    def add_micro_step(self, gradients, weight, batch_size,
+                       divide_by_weight=True):
+        """Adds one micro-batch's gradients; ends the window when due.
+
+        Replica context, inside the training step, after `ensure_state`.
+
+        Args:
+            gradients: List of unscaled gradients (or None), one per
+                trainable variable of the window.
+            weight: Float32 scalar. What the micro-batch loss was divided by.
+            batch_size: Int scalar. This replica's samples in the step.
+            divide_by_weight: Bool. False when every loss term is a sum:
+                the window is then the sum of its micro-batches' gradients.
+        """
+        window = self.window
+        if len(gradients) != len(window.trainable_variables):
+            raise ValueError(
+                "Expected one gradient per trainable variable "
+                f"({len(window.trainable_variables)}). Received: "
+                f"{len(gradients)} gradients"
+            )
+        self.window_end.divide_by_weight = divide_by_weight
+        samples = tf.cast(batch_size, tf.float32)
+        has_data = replicas.has_data_on_some_replica(
+            samples, window.strategy,
+            exact=not self.settings.flush_each_epoch,
+        )
+        window.add(gradients, weight, samples, has_data)
+        window_full = window.is_full()
+        epoch_ends = tf.equal(window.steps_left_in_epoch, 0)
+        self.window_end.end_if(
+            tf.logical_and(has_data, tf.logical_or(window_full, epoch_ends))
+        )
+
+    def apply_open_window(self):
+        """Applies the gradients of the window still open, if any."""
+        if self.window_end is None:
+            return
+        self.window_end.apply_open()

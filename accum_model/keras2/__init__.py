@@ -1,0 +1,60 @@
+"""The Keras 2 adapter: every Keras 2 detail accum_model relies on.
+
+`accum_model.keras3` offers the same names (`__all__`) for Keras 3; the
+model layer is written once against them and reaches this package only
+through `accum_model._chooser`. `keras` is the package behind `tf.keras`:
+`tf_keras` (with `TF_USE_LEGACY_KERAS=1`) or TensorFlow 2.13-2.15's own
+`keras`. Each module says which Keras 2 versions it was checked on.
+"""
+
+from accum_model.keras2.package import keras
+from accum_model.keras2.losses import LOSS_REDUCTIONS
+from accum_model.keras2.losses import compute_loss
+from accum_model.keras2.losses import get_keras_mask
+from accum_model.keras2.losses import losses_not_divided_by_replicas
+from accum_model.keras2.losses import recording_loss_reductions
+from accum_model.keras2.losses import track_loss
+from accum_model.keras2.optimizer import LossScaling
+from accum_model.keras2.saving import Functional
+from accum_model.keras2.saving import WindowCheckpoint
+from accum_model.keras2.saving import clones_through_constructor
+from accum_model.keras2.saving import functional_constructor_signature
+from accum_model.keras2.saving import serialize_as
+from accum_model.keras2.training import END_OF_DATA_ERRORS
+from accum_model.keras2.training import STEPS_PER_EXECUTION_FIX
+from accum_model.keras2.training import ModelDifferences
+from accum_model.keras2.training import check_strategy
+from accum_model.keras2.training import executions_stop_cleanly_at_end_of_data
+from accum_model.keras2.training import is_foreign_layer
+from accum_model.keras2.training import layers_of
+from accum_model.keras2.training import logs_for_reduction
+from accum_model.keras2.training import micro_steps_in_epoch
+from accum_model.keras2.training import model_keyword_arguments
+from accum_model.keras2.training import steps_per_execution
+
+__all__ = [
+    "END_OF_DATA_ERRORS",
+    "Functional",
+    "LOSS_REDUCTIONS",
+    "LossScaling",
+    "ModelDifferences",
+    "STEPS_PER_EXECUTION_FIX",
+    "WindowCheckpoint",
+    "check_strategy",
+    "clones_through_constructor",
+    "compute_loss",
+    "executions_stop_cleanly_at_end_of_data",
+    "functional_constructor_signature",
+    "get_keras_mask",
+    "is_foreign_layer",
+    "keras",
+    "layers_of",
+    "logs_for_reduction",
+    "losses_not_divided_by_replicas",
+    "micro_steps_in_epoch",
+    "model_keyword_arguments",
+    "recording_loss_reductions",
+    "serialize_as",
+    "steps_per_execution",
+    "track_loss",
+]

@@ -1,0 +1,87 @@
+"""Keras 2's `LossScaleOptimizer` and optimizers, taken apart for windows.
+
+`apply_gradients(pairs)` sums the gradients over replicas *before* clipping
+them, so the window needs no reduction of its own for clipping to act on the
+whole gradient. `LossScaleOptimizer.get_scaled_loss` /
+`get_unscaled_gradients` are the hooks, and the dynamic scale lives in a
+private `_DynamicLossScaleState` whose own `update` rule is reused. Legacy
+optimizers (`optimizers.legacy`) are built through the private
+`_create_all_weights`. Checked on tf_keras 2.21.0 / TF 2.21.0, keras 2.15.0
+/ TF 2.15.1 and keras 2.13.1 / TF 2.13.1.
+"""
+
+import tensorflow as tf
+
+from accum_model.core.optimizer_duties import OptimizerDuties
+from accum_model.keras2.package import keras
+from accum_model.keras2.package import src
+
+_optimizer_v2 = src("optimizers.legacy.optimizer_v2")
+
+__all__ = ["LossScaling"]
+
+
+class LossScaling(OptimizerDuties):
+    """The compiled Keras 2 optimizer's duties: loss scaling and apply.
+
+    Each micro step scales its loss with the `LossScaleOptimizer`'s own
+    `get_scaled_loss` and unscales its gradients with its own
+    `get_unscaled_gradients`; the window end applies the unscaled window
+    gradient with the inner optimizer and moves the dynamic scale by
+    Keras's own rule, once per window.
+
+    Args:
+        optimizer: The compiled optimizer, a `LossScaleOptimizer` or not.
+    """
+
+    # Keras 2 optimizers sum gradients over replicas, then clip.
+    clips_before_summing_replicas = False
+
+    def __init__(self, optimizer):
+        super().__init__(optimizer, keras.mixed_precision.LossScaleOptimizer)
+
+    def scale_loss(self, loss):
+        if not self.active:
+            return loss
+        return self.loss_scale_optimizer.get_scaled_loss(loss)
+
+    def unscale_gradients(self, gradients, variables=None):
+        del variables  # Keras 2 has no variables it overwrites with gradients.
+        if not self.active:
+            return gradients
+        return self.loss_scale_optimizer.get_unscaled_gradients(gradients)
+
+    def _dynamic_state(self):
+        lso = self.loss_scale_optimizer
+        if lso is None or not lso.dynamic:
+            return None
+        # Private: `_DynamicLossScaleState`, with Keras's update rule.
+        return lso._loss_scale
+
+    def after_update(self):
+        """Counts one applied update; doubles the scale every growth period."""
+        state = self._dynamic_state()
+        if state is not None:
+            state.update([tf.constant(1.0)])
+
+    def after_overflow(self):
+        """Halves the scale (not below 1) and restarts the growth period."""
+        state = self._dynamic_state()
+        if state is not None:
+            state.update([tf.constant(float("inf"))])
+
+    def is_built(self):
+        optimizer = self.update_optimizer
+        if isinstance(optimizer, _optimizer_v2.OptimizerV2):
+            return False  # Legacy optimizers make slots on demand.
+        return bool(getattr(optimizer, "_built", False))
+
+    def build(self, variables):
+        optimizer = self.update_optimizer
+        if isinstance(optimizer, _optimizer_v2.OptimizerV2):
+            optimizer._create_all_weights(variables)
+        else:
+            optimizer.build(variables)
+
+    def apply(self, gradients, variables):
+        self.update_optimizer.apply_gradients(zip(gradients, variables))

@@ -1,0 +1,60 @@
+"""Keras 2's saving and cloning: names, functional classes, the window.
+
+Only TensorFlow checkpoints (`save_weights` in the TF format,
+`tf.train.Checkpoint`, `BackupAndRestore`) carry the window: Keras 2's
+`model.save` files (`.keras`, `.h5`, SavedModel) and `.h5` weights cannot,
+and saving one with a window open warns (`ModelDifferences`). Checked on
+tf_keras 2.21.0 / TF 2.21.0, keras 2.15.0 / TF 2.15.1 and keras 2.13.1 /
+TF 2.13.1.
+"""
+
+import inspect
+
+from accum_model.core import checkpoint
+from accum_model.core import class_tree
+from accum_model.keras2.package import src
+
+_functional = src("engine.functional")
+_object_registration = src("saving.object_registration")
+
+Functional = _functional.Functional
+
+__all__ = ["Functional", "WindowCheckpoint", "clones_through_constructor",
+           "functional_constructor_signature", "serialize_as"]
+
+
+def serialize_as(alias_class, registered_class):
+    """Makes Keras 2 serialize `alias_class` under `registered_class`'s name.
+
+    `get_registered_name` reads the private `_GLOBAL_CUSTOM_NAMES`.
+    """
+    names = _object_registration._GLOBAL_CUSTOM_NAMES
+    if registered_class in names:
+        names[alias_class] = names[registered_class]
+
+
+def functional_constructor_signature():
+    """The signature `clone_model` looks for in a functional class."""
+    return inspect.signature(Functional.__init__)
+
+
+def clones_through_constructor(model_class, after):
+    """Whether `clone_model` may rebuild a model of `model_class` through a
+    constructor whose signature is `Functional.__init__`'s (Keras 2's
+    `has_functional_like_constructor` asks for exactly that signature)."""
+    return class_tree.next_init_is_keras_model(model_class, after)
+
+
+class WindowCheckpoint(checkpoint.WindowCheckpoint):
+    """The open window, in TensorFlow checkpoints.
+
+    Keras 2 tracks a `Trackable` attribute of a model as a checkpoint
+    dependency, so `save_weights` in the TensorFlow format,
+    `tf.train.Checkpoint` and `BackupAndRestore` save and restore it. Keras
+    2's `.keras` and `.h5` files hold only Keras objects
+    (`saving_lib._is_keras_trackable`), and a SavedModel loaded by
+    `load_model` is rebuilt from its config without it.
+
+    Args:
+        accumulation: The `Accumulation` whose window is saved.
+    """

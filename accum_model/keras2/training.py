@@ -1,0 +1,128 @@
+"""Keras 2's training loop, as a window needs it.
+
+The training loop ends data with `tf.errors.OutOfRangeError`, keeps
+`steps_per_execution` in a variable and shortens an epoch's last execution
+to the steps left. Checked on tf_keras 2.21.0 / TF 2.21.0 with
+`TF_USE_LEGACY_KERAS=1`, keras 2.15.0 / TF 2.15.1 and keras 2.13.1 /
+TF 2.13.1 (the Keras 2 tests, `tests/test_keras2.py`, in `.ci/matrix`).
+"""
+
+import sys
+import warnings
+
+import tensorflow as tf
+
+from accum_model.core.messages import window_is_open
+from accum_model.keras2.package import keras
+
+__all__ = ["END_OF_DATA_ERRORS", "ModelDifferences", "STEPS_PER_EXECUTION_FIX",
+           "check_strategy", "executions_stop_cleanly_at_end_of_data",
+           "is_foreign_layer", "layers_of", "logs_for_reduction",
+           "micro_steps_in_epoch", "model_keyword_arguments",
+           "steps_per_execution"]
+
+# What a run of the train function raises when the data has run out.
+END_OF_DATA_ERRORS = (StopIteration, tf.errors.OutOfRangeError)
+
+STEPS_PER_EXECUTION_FIX = ""  # Keras 2 executions stop between steps.
+
+
+class ModelDifferences:
+    """What the Keras 2 `AccumulatingModel` does unlike the Keras 3 one."""
+
+    def save(self, filepath, *args, **kwargs):
+        # `.keras`, `.h5` and SavedModel: Keras 2 loads none of them back
+        # into a model with its window (SavedModel revives the model from
+        # its config and leaves the window out).
+        _warn_if_window_is_left_out(self, "a file of `model.save`")
+        return super().save(filepath, *args, **kwargs)
+
+    def save_weights(self, filepath, *args, **kwargs):
+        if str(filepath).endswith((".h5", ".hdf5")):
+            _warn_if_window_is_left_out(self, "an `.h5` weights file")
+        return super().save_weights(filepath, *args, **kwargs)
+
+
+def _warn_if_window_is_left_out(model, kind):
+    open_steps = model._accumulation.open_micro_steps()
+    if open_steps:
+        warnings.warn(
+            f"The model has {window_is_open(open_steps)}, or save in the "
+            f"TensorFlow format: {kind} cannot hold the window, and a model "
+            "loaded from it starts a new one. The TensorFlow format "
+            "(`save_weights('path/ckpt')`, `tf.train.Checkpoint`, "
+            "`BackupAndRestore`) keeps the window.",
+            stacklevel=3,
+        )
+
+
+def check_strategy(strategy):
+    """Refuses the strategies the Keras 2 adapter was not checked under."""
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        raise ValueError(
+            "AccumulatingModel on Keras 2 supports the default strategy, "
+            "OneDeviceStrategy and MirroredStrategy; several workers "
+            "(MultiWorkerMirroredStrategy) need Keras 3: unset "
+            "TF_USE_LEGACY_KERAS, or pip install 'keras>=3.6' "
+            "'tensorflow>=2.16'. Received: distribute_strategy="
+            f"{strategy.__class__.__name__}"
+        )
+
+
+def steps_per_execution(model):
+    """Int. Keras 2 keeps it in the private `_steps_per_execution`."""
+    variable = getattr(model, "_steps_per_execution", None)
+    return 1 if variable is None else int(variable.numpy())
+
+
+def micro_steps_in_epoch(steps, steps_per_execution):
+    """Steps an epoch of `steps` runs: Keras 2's `DataHandler` shortens the
+    epoch's last execution to the steps left."""
+    del steps_per_execution
+    return steps
+
+
+def executions_stop_cleanly_at_end_of_data():
+    """True: Keras 2's train function of several steps loops
+    `for _ in tf.range(steps_per_execution)` over whole steps, each asking
+    the iterator for its data before anything else of it runs."""
+    return True
+
+
+def logs_for_reduction(logs, strategy):
+    del strategy
+    return logs
+
+
+def model_keyword_arguments(functional):
+    """Keyword arguments Keras 2's model constructor accepts.
+
+    `training.Model.__init__` validates its `**kwargs` against these names,
+    and `Functional.__init__` takes `inputs`, `outputs`, `name`,
+    `trainable`.
+    """
+    names = {"trainable", "dtype", "dynamic", "name", "autocast", "inputs",
+             "outputs"}
+    if functional:
+        names = {"inputs", "outputs", "name", "trainable"}
+    return names
+
+
+def layers_of(model):
+    """The model and every layer in it (private `Layer._flatten_layers`)."""
+    return [model] + list(model._flatten_layers(include_self=False))
+
+
+def is_foreign_layer(value):
+    """Whether `value` is a Keras 3 layer, whose weights Keras 2 does not see.
+
+    With `TF_USE_LEGACY_KERAS=1`, `import keras` is still Keras 3; it is
+    looked up among the modules already imported, never imported here.
+    """
+    other = sys.modules.get("keras")
+    other_layer = getattr(getattr(other, "layers", None), "Layer", None)
+    if other is keras or other_layer is None or (
+        other_layer is keras.layers.Layer
+    ):
+        return False
+    return isinstance(value, other_layer)

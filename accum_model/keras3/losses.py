@@ -1,0 +1,116 @@
+"""Keras 3's losses: what a micro-batch's loss is divided by, and its log.
+
+Checked on keras 3.6.0 / TF 2.16.2, 3.10.0 / TF 2.18.1 and 3.15.1 /
+TF 2.21.0 (the tests that exercise each function pass, `.ci/matrix`).
+"""
+
+import contextlib
+import inspect
+
+import tensorflow as tf
+from keras.src.backend.common.masking import get_keras_mask
+from keras.src.losses import loss as keras_loss_module
+
+from accum_model.core import divisor
+from accum_model.core.patch import identity
+from accum_model.core.patch import replaced
+
+# Reductions whose batch loss is one number a window can reproduce.
+LOSS_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight",
+                   "sum")
+
+__all__ = ["LOSS_REDUCTIONS", "compute_loss", "get_keras_mask",
+           "losses_not_divided_by_replicas", "recording_loss_reductions",
+           "track_loss"]
+
+
+def compute_loss(model, **arguments):
+    """Calls `model.compute_loss` with `training=True` where it takes it.
+
+    Keras's `Trainer._compute_loss` makes that choice for overrides of
+    `compute_loss` written before Keras 3.3, which lack `training`.
+    """
+    if "training" in inspect.signature(model.compute_loss).parameters:
+        return model.compute_loss(training=True, **arguments)
+    return model.compute_loss(**arguments)
+
+
+def track_loss(model, loss, batch_size):
+    """Adds a micro-batch's loss to the "loss" that `fit()` reports.
+
+    Keras keeps that `Mean` metric in the private `Trainer._loss_tracker`;
+    its own `train_step` updates it directly, weighted by the batch size,
+    and no public accessor exists.
+    """
+    tracker = getattr(model, "_loss_tracker", None)
+    if tracker is not None:
+        tracker.update_state(loss, sample_weight=batch_size)
+
+
+def losses_not_divided_by_replicas():
+    """While tracing a loss, keeps Keras from dividing it by the replicas.
+
+    Keras 3.8+ divides each reduced loss by the number of replicas in
+    `keras.src.losses.loss.scale_loss_for_distribution`, but not a loss that
+    is already a scalar before reduction (an output of shape `(batch,)`, a
+    `Loss` whose `call` returns the batch mean), and Keras 3.6-3.7 divide
+    none. Made the identity here (with its inverse, which per-output loss
+    metrics use), every loss is this replica's own mean, whatever the Keras
+    version or loss shape.
+    """
+    return replaced(keras_loss_module, {
+        "scale_loss_for_distribution": identity,
+        "unscale_loss_for_distribution": identity,
+    })
+
+
+@contextlib.contextmanager
+def recording_loss_reductions():
+    """Records how Keras reduces each loss computed inside the context.
+
+    Wraps `keras.src.losses.loss.reduce_weighted_values`, the one place
+    where a `keras.losses.Loss` (built-in, subclassed, or a plain function
+    Keras wraps) reduces its per-element values, with the mask made by the
+    loss itself (`ignore_class`) already merged with the prediction's. The
+    returned list receives one `divisor.Reduction` per loss term.
+    """
+    records = []
+    original = keras_loss_module.reduce_weighted_values
+
+    def recording(values, sample_weight=None, mask=None,
+                  reduction="sum_over_batch_size", dtype=None):
+        loss = original(values, sample_weight=sample_weight, mask=mask,
+                        reduction=reduction, dtype=dtype)
+        weight_sum = None
+        if reduction == "mean_with_sample_weight" and (
+            sample_weight is not None or mask is not None
+        ):
+            weight_sum = tf.reduce_sum(
+                _merged_sample_weight(values, sample_weight, mask, reduction)
+            )
+        records.append(divisor.reduction_of(values, reduction, mask,
+                                            weight_sum))
+        return loss
+
+    with replaced(keras_loss_module, {"reduce_weighted_values": recording}):
+        yield records
+
+
+def _merged_sample_weight(values, sample_weight, mask, reduction):
+    """Sample weights with the mask merged in, as Keras divides by them.
+
+    Uses Keras's own `apply_mask` and `squeeze_or_expand_to_same_rank`
+    (keras.src.losses.loss), so "mean_with_sample_weight" divides by what
+    Keras divides by.
+    """
+    values = tf.convert_to_tensor(values)
+    weights = keras_loss_module.apply_mask(
+        sample_weight, mask, dtype=values.dtype, reduction=reduction
+    )
+    if weights is None:
+        return tf.ones_like(values)
+    weights = tf.cast(weights, values.dtype)
+    _, weights = keras_loss_module.squeeze_or_expand_to_same_rank(
+        values, weights
+    )
+    return tf.cast(weights, tf.float32)

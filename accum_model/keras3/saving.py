@@ -1,0 +1,79 @@
+"""Keras 3's saving and cloning: names, functional classes, the window.
+
+Checked on keras 3.6.0 / TF 2.16.2, 3.10.0 / TF 2.18.1 and 3.15.1 /
+TF 2.21.0 (the tests that exercise each helper pass, `.ci/matrix`).
+"""
+
+from keras.src.models.functional import Functional
+from keras.src.models.functional import functional_like_constructor
+from keras.src.saving import object_registration
+from keras.src.saving.keras_saveable import KerasSaveable
+
+from accum_model.core import checkpoint
+from accum_model.core import class_tree
+
+__all__ = ["Functional", "WindowCheckpoint", "clones_through_constructor",
+           "functional_constructor_signature", "serialize_as"]
+
+
+def serialize_as(alias_class, registered_class):
+    """Makes Keras serialize `alias_class` under `registered_class`'s name.
+
+    `keras.saving.get_registered_name` reads the private
+    `GLOBAL_CUSTOM_NAMES`; the name still resolves to `registered_class` when
+    loading, because `GLOBAL_CUSTOM_OBJECTS` is left as it is.
+    """
+    names = object_registration.GLOBAL_CUSTOM_NAMES
+    if registered_class in names:
+        names[alias_class] = names[registered_class]
+
+
+def functional_constructor_signature():
+    """None: Keras 3's `clone_model` accepts a constructor taking
+    `*args, **kwargs` as functional-like."""
+    return None
+
+
+def clones_through_constructor(model_class, after):
+    """Whether `keras.models.clone_model` rebuilds via `model_class(...)`.
+
+    Keras's `functional_like_constructor` decides from the constructor's
+    signature; the accumulating class's own signature (`after`'s) passes
+    every argument on, so the class after it in the MRO is the one that
+    must accept them.
+    """
+    if class_tree.next_init_is_keras_model(model_class, after):
+        return True
+    return functional_like_constructor(
+        class_tree.next_init_class(model_class, after)
+    )
+
+
+class WindowCheckpoint(KerasSaveable, checkpoint.WindowCheckpoint):
+    """The open window, in Keras files and in TensorFlow checkpoints.
+
+    Keras files (`save_weights`, `.keras`, `ModelCheckpoint`,
+    `BackupAndRestore`): `saving_lib._walk_saveable` visits every attribute
+    of the model that is a `KerasSaveable`, private ones last, and calls its
+    `save_own_variables` / `load_own_variables` with an entry of its own;
+    a file without that entry gives an empty one, and a model without the
+    attribute never asks for it (a plain `keras.Model` loads such a file).
+    Keras files store nothing while no window exists, so they stay what a
+    plain model would write. TensorFlow checkpoints: see the core class.
+
+    Args:
+        accumulation: The `Accumulation` whose window is saved.
+    """
+
+    def _obj_type(self):
+        # Which of Keras's attribute skip-sets applies when the saver walks
+        # this object; it holds no Keras objects of its own.
+        return "Layer"
+
+    def save_own_variables(self, store):
+        if self.has_state():
+            for key, value in self.saved_state().items():
+                store[key] = value
+
+    def load_own_variables(self, store):
+        self.restore_state({key: store[key] for key in store.keys()})
