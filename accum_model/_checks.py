@@ -250,6 +250,66 @@ def warn_if_loss_divisor_is_unknown(model_class, base):
     return True
 
 
+def warn_if_batch_statistics_differ(model, warn):
+    """Warns when a BatchNormalization layer trains on micro-batches.
+
+    In training it normalises each micro-batch with that micro-batch's own
+    mean and variance, and moves its moving statistics once per micro-batch
+    from them: neither is what the large batch does. A frozen layer
+    (`trainable=False`) runs in inference mode and stays exact.
+
+    Args:
+        model: The model about to train.
+        warn: Callable taking a message, warning once per model.
+    """
+    training = sorted(
+        layer.name for layer in adapter.layers_of(model)
+        if layer is not model and layer.trainable and any(
+            cls.__name__.startswith("BatchNormalization")
+            or cls.__name__ == "SyncBatchNormalization"
+            for cls in type(layer).__mro__ if class_tree.is_keras_class(cls)
+        )
+    )
+    if training:
+        warn(
+            f"BatchNormalization layers {training} train on micro-batches: "
+            "each normalises with its micro-batch's own statistics and "
+            "moves its moving mean and variance once per micro-batch, so "
+            "they are not the large batch's and the window is not exact. "
+            "Freeze them (`layer.trainable = False`, as fine-tuning does), "
+            "use GroupNormalization or LayerNormalization, or accept the "
+            "difference."
+        )
+
+
+def warn_if_layers_add_losses(model, warn):
+    """Warns when layers add losses of their own (`add_loss` in `call`).
+
+    Keras adds such a term as the layer computes it, and a window weighs it
+    like a mean over its micro-batch, as Keras's regularizers are; a term
+    summed over the batch would train 1/n_gradients as strong as in the
+    large batch. Keras's own regularizers are exact and not warned about.
+
+    Args:
+        model: The model about to train.
+        warn: Callable taking a message, warning once per model.
+    """
+    adding = sorted(
+        layer.name for layer in adapter.layers_of(model)
+        if "add_loss" in (class_tree.names_used_by_overrides(
+            type(layer), "call", stop_at=None) or ())
+    )
+    if adding:
+        warn(
+            f"Layers {adding} add losses with `add_loss`. A window weighs "
+            "each added term like a mean over its micro-batch, as Keras's "
+            "regularizers are: exact for a term that is a mean over the "
+            "batch (or a constant), but a term summed over the batch would "
+            "count 1/n_gradients as much as in the large batch. Divide such "
+            "a term by the batch size."
+        )
+
+
 def check_ready_to_accumulate(model, requested_class, base):
     """Raises (or warns) before training if `model` cannot accumulate.
 
@@ -269,6 +329,9 @@ def check_ready_to_accumulate(model, requested_class, base):
     check_no_foreign_layers(model)
     check_float8_on_one_replica(model)
     check_steps_per_execution(model)
+    warn = model._accumulation.warn_once
+    warn_if_batch_statistics_differ(model, warn)
+    warn_if_layers_add_losses(model, warn)
     warn_if_train_step_bypasses_window(type(model), base)
     return warn_if_loss_divisor_is_unknown(requested_class, base)
 

@@ -5,6 +5,9 @@ this class connects it to Keras's `fit()`, `train_step`, configuration and
 saving, through the adapter of the Keras in use.
 """
 
+import inspect
+import warnings
+
 import tensorflow as tf
 
 from accum_model import _checks
@@ -95,6 +98,10 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
         super().__init__(*args, **kwargs)
         self._accumulate_with(settings)
 
+    # `inspect.signature` (help(), editors) reads a class's `__new__` before
+    # its `__init__`: show the constructor's arguments, not `*args, **kwargs`.
+    __new__.__signature__ = inspect.signature(__init__)
+
     def _accumulate_with(self, settings):
         """Takes `settings`: the one path of the constructor, `from_config`,
         `accumulating()` and the setters.
@@ -132,7 +139,13 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
             config["n_gradients"] = n_gradients_from_config(
                 config["n_gradients"]
             )
-        model = super().from_config(config, custom_objects=custom_objects)
+        next_from_config = super().from_config
+        # Keras's own takes `custom_objects`; many classes' (keras-hub's
+        # `Task`, say) take the config alone.
+        if _takes_keyword(next_from_config, "custom_objects"):
+            model = next_from_config(config, custom_objects=custom_objects)
+        else:
+            model = next_from_config(config)
         if isinstance(model, AccumulatingModel):
             # keras 3.6 rebuilds a functional model from its layers alone and
             # drops the other constructor arguments: restore them.
@@ -280,6 +293,16 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
     def fit(self, *args, **kwargs):
         if not self._accumulation.accumulates:
             return super().fit(*args, **kwargs)
+        left_open = self._accumulation.window_left_open()
+        if left_open:
+            warnings.warn(
+                f"fit() starts with a window left open by `train_on_batch` "
+                f"or a loop driven by hand: its {left_open} micro-batches "
+                "make the first window of this fit() with the ones that "
+                "follow. Call `model.apply_open_window()` before fit() to "
+                "apply them as an update of their own.",
+                stacklevel=2,
+            )
         self._check_ready_to_accumulate()
         args, kwargs = WindowCallback.added_to_fit_arguments(self, args, kwargs)
         return super().fit(*args, **kwargs)
@@ -397,3 +420,10 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
         if batch_size is None:
             batch_size = tf.constant(1)
         accumulation.add_micro_step(list(gradients), weight, batch_size)
+
+
+def _takes_keyword(function, name):
+    """Whether `function` accepts the keyword argument `name`."""
+    parameters = inspect.signature(function).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD
+               for p in parameters)

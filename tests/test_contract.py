@@ -449,3 +449,15 @@ def test_float8_under_two_replicas_is_refused(two_replicas):
         model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(ValueError, match="float8.*2 replicas"):
         model.fit(x, y, batch_size=8, verbose=0)
+
+
+def test_the_constructor_shows_its_arguments():
+    # help() and editors read `inspect.signature`.
+    import inspect
+
+    parameters = inspect.signature(AccumulatingModel).parameters
+    assert [name for name in parameters
+            if name in ("n_gradients", "flush_each_epoch",
+                        "accumulator_dtype")] == [
+        "n_gradients", "flush_each_epoch", "accumulator_dtype"]
+    assert parameters["n_gradients"].default == 1

@@ -148,3 +148,33 @@ class _no_scope:
 
     def __exit__(self, *exc):
         return False
+
+
+@keras.saving.register_keras_serializable(package="accum_model_tests")
+class SavedGPT2(AccumulatingModel, keras_hub.models.GPT2CausalLM):
+    """A user's accumulating task, registered so that Keras can load it."""
+
+    def __init__(self, *args, n_gradients=2, **kwargs):
+        super().__init__(*args, n_gradients=n_gradients, **kwargs)
+
+
+@pytest.mark.parametrize("round_trip", ["keras_file", "preset"])
+def test_accumulating_task_saves_and_loads(round_trip, tmp_path):
+    # keras-hub's `Task.from_config(cls, config)` takes no custom_objects.
+    x, y, weights = _causal_lm_data(samples=8)
+    model = _causal_lm(SavedGPT2, n_gradients=4, flush_each_epoch=False)
+    model.compile(optimizer="sgd",
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
+    model.fit(x, y, sample_weight=weights, batch_size=2, epochs=1, verbose=0)
+    if round_trip == "keras_file":
+        model.save(tmp_path / "task.keras")
+        loaded = keras.models.load_model(tmp_path / "task.keras")
+    else:
+        model.save_to_preset(str(tmp_path / "preset"))
+        loaded = SavedGPT2.from_preset(str(tmp_path / "preset"))
+    # The task is functional: its class is SavedGPT2's functional variant.
+    assert isinstance(loaded, SavedGPT2)
+    assert type(loaded).__name__ == "SavedGPT2"
+    assert (loaded.n_gradients, loaded.flush_each_epoch) == (4, False)
+    assert max_weight_difference(model, loaded) == 0.0

@@ -58,6 +58,13 @@ class Accumulation:
         # windows carry across epochs.
         self._epoch_steps = -1
         self._run_eagerly = False
+        self._warned = set()
+
+    def warn_once(self, message):
+        """Warns with `message` once for this model (later fits are quiet)."""
+        if message not in self._warned:
+            self._warned.add(message)
+            warnings.warn(message, stacklevel=5)
 
     # Settings --------------------------------------------------------------
 
@@ -103,6 +110,19 @@ class Accumulation:
         return True
 
     # What users read -------------------------------------------------------
+
+    def window_left_open(self):
+        """Micro-batches of an open window that no checkpoint restored.
+
+        Such a window was left by `train_on_batch` or a loop driven by hand
+        (or a `fit()` that raised); a window restored from a checkpoint is
+        one that training means to continue. Asking clears the restored
+        count: the next question is about what happens after it.
+        """
+        open_steps = self.open_micro_steps()
+        restored = self.checkpoint.restored_micro_steps
+        self.checkpoint.restored_micro_steps = 0
+        return 0 if open_steps == restored else open_steps
 
     def open_micro_steps(self):
         """Int. Micro-batches accumulated and not yet applied."""

@@ -42,6 +42,8 @@ class WindowCheckpoint(SavedInTfCheckpoints):
         self._accumulation = weakref.ref(accumulation)
         # A restored window waiting for the model to build its own.
         self._pending = None
+        # Micro steps of the window the last restore wrote (or holds).
+        self.restored_micro_steps = 0
 
     def _window(self):
         accumulation = self._accumulation()
@@ -90,6 +92,9 @@ class WindowCheckpoint(SavedInTfCheckpoints):
             # or by a plain `keras.Model`): restore an empty window.
             arrays = _empty_state()
         arrays = {key: np.asarray(value) for key, value in arrays.items()}
+        self.restored_micro_steps = int(
+            arrays["counters"][_COUNTERS.index("micro_steps")]
+        )
         window = self._window()
         if window is None:
             self._pending = arrays

@@ -1,0 +1,144 @@
+"""Paths that leave the large batch say so at `fit()`, once, and exact paths
+stay quiet: a BatchNormalization that trains, layers that add losses, and a
+window that `train_on_batch` left open."""
+
+import warnings
+
+import keras
+import numpy as np
+
+from accum_model import AccumulatingModel
+from accum_model import accumulating
+from helpers import regression_data
+
+
+def _conv_bn(model_class=AccumulatingModel, frozen=False, **kwargs):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6, 6, 2))
+    hidden = keras.layers.Conv2D(4, 3)(inputs)
+    norm = keras.layers.BatchNormalization(name="norm")
+    norm.trainable = not frozen
+    hidden = keras.layers.GlobalAveragePooling2D()(norm(hidden))
+    outputs = keras.layers.Dense(1)(hidden)
+    return model_class(inputs=inputs, outputs=outputs, **kwargs)
+
+
+def _images(samples=16):
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(samples, 6, 6, 2)).astype("float32"),
+            rng.normal(size=(samples, 1)).astype("float32"))
+
+
+def _fit_messages(model, x, y, **fit_kwargs):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0, **fit_kwargs)
+    return [str(w.message) for w in caught
+            if issubclass(w.category, UserWarning)]
+
+
+def test_training_batch_normalization_is_named_with_the_choices():
+    x, y = _images()
+    model = _conv_bn(n_gradients=2)
+    model.compile(optimizer="sgd", loss="mse")
+    messages = [m for m in _fit_messages(model, x, y)
+                if "BatchNormalization" in m]
+    assert len(messages) == 1
+    assert "['norm']" in messages[0]
+    for choice in ("trainable = False", "GroupNormalization",
+                   "LayerNormalization"):
+        assert choice in messages[0]
+    # Once per model: a second fit() is quiet.
+    assert not [m for m in _fit_messages(model, x, y)
+                if "BatchNormalization" in m]
+
+
+def test_frozen_batch_normalization_is_quiet():
+    x, y = _images()
+    model = _conv_bn(n_gradients=2, frozen=True)
+    model.compile(optimizer="sgd", loss="mse")
+    assert not [m for m in _fit_messages(model, x, y)
+                if "BatchNormalization" in m]
+
+
+def test_batch_normalization_of_an_existing_model_is_named():
+    x, y = _images()
+    model = accumulating(_conv_bn(keras.Model), n_gradients=2)
+    model.compile(optimizer="sgd", loss="mse")
+    assert [m for m in _fit_messages(model, x, y) if "BatchNormalization" in m]
+
+
+def test_without_accumulation_nothing_is_said():
+    x, y = _images()
+    model = _conv_bn(n_gradients=1)
+    model.compile(optimizer="sgd", loss="mse")
+    assert not [m for m in _fit_messages(model, x, y)
+                if "BatchNormalization" in m]
+
+
+class _SummedPenalty(keras.layers.Layer):
+    def call(self, inputs):
+        self.add_loss(0.01 * keras.ops.sum(keras.ops.square(inputs)))
+        return inputs
+
+
+def _with_layer(layer, **kwargs):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, **kwargs)(inputs)
+    outputs = keras.layers.Dense(3)(layer(hidden) if layer else hidden)
+    return AccumulatingModel(inputs=inputs, outputs=outputs, n_gradients=2)
+
+
+def test_layers_that_add_losses_are_named_with_the_fix():
+    x, y = regression_data(samples=16)
+    model = _with_layer(_SummedPenalty(name="penalty"))
+    model.compile(optimizer="sgd", loss="mse")
+    messages = [m for m in _fit_messages(model, x, y) if "add_loss" in m]
+    assert len(messages) == 1
+    assert "['penalty']" in messages[0]
+    assert "Divide such a term by the batch size" in messages[0]
+
+
+def test_keras_regularizers_are_quiet():
+    x, y = regression_data(samples=16)
+    model = _with_layer(None, kernel_regularizer="l2",
+                        activity_regularizer="l1")
+    model.compile(optimizer="sgd", loss="mse")
+    assert not [m for m in _fit_messages(model, x, y) if "add_loss" in m]
+
+
+def test_a_window_left_open_by_train_on_batch_is_named():
+    x, y = regression_data(samples=16)
+    model = _with_layer(None)
+    model.compile(optimizer="sgd", loss="mse")
+    model.train_on_batch(x[:4], y[:4])
+    messages = [m for m in _fit_messages(model, x, y)
+                if "left open" in m]
+    assert len(messages) == 1
+    assert "1 micro-batches" in messages[0]
+    assert "apply_open_window()" in messages[0]
+
+
+def test_fit_after_applying_the_open_window_is_quiet():
+    x, y = regression_data(samples=16)
+    model = _with_layer(None)
+    model.compile(optimizer="sgd", loss="mse")
+    model.train_on_batch(x[:4], y[:4])
+    model.apply_open_window()
+    assert not [m for m in _fit_messages(model, x, y) if "left open" in m]
+
+
+def test_a_window_restored_from_a_checkpoint_is_continued_quietly(tmp_path):
+    x, y = regression_data(samples=16)
+    model = _with_layer(None)
+    model.compile(optimizer="sgd", loss="mse")
+    model.train_on_batch(x[:4], y[:4])
+    path = str(tmp_path / "mid_window.weights.h5")
+    model.save_weights(path)
+    resumed = _with_layer(None)
+    resumed.compile(optimizer="sgd", loss="mse")
+    resumed.optimizer.build(resumed.trainable_variables)
+    resumed.load_weights(path)
+    assert resumed._accumulation.open_micro_steps() == 1
+    assert not [m for m in _fit_messages(resumed, x, y) if "left open" in m]
