@@ -56,10 +56,12 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
     `accumulate_gradients`.
 
     Under mixed precision (`LossScaleOptimizer`), each micro step scales its
-    loss with `get_scaled_loss` and unscales its gradients with
-    `get_unscaled_gradients` before accumulating them. A window in which any
-    gradient overflowed, on any replica, is skipped as a whole and lowers
-    the loss scale once; `skipped_windows` counts such windows.
+    loss with `get_scaled_loss` (by the dynamic scale over the window's
+    length, so that it overflows where the large batch would) and unscales
+    its gradients with `get_unscaled_gradients` before accumulating them. A
+    window in which any gradient overflowed, on any replica, is skipped as a
+    whole and lowers the loss scale once; `skipped_windows` counts such
+    windows.
 
     Args:
         n_gradients: Int >= 1. Number of micro-batches whose gradients make
@@ -222,8 +224,10 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
         """Scales a micro-batch loss before its gradients are taken.
 
         Multiplies by the optimizer's `loss_scale_factor`, if set, and with a
-        `LossScaleOptimizer` by its current dynamic scale; otherwise returns
-        `loss` unchanged.
+        `LossScaleOptimizer` by its current dynamic scale divided by the
+        window's length: a micro-batch's per-sample terms in the backward
+        pass are then the large batch's, so it overflows where the large
+        batch would. Otherwise returns `loss` unchanged.
 
         Args:
             loss: Scalar tensor, the micro-batch loss from `compute_loss`.
@@ -231,7 +235,10 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
         Returns:
             The loss to differentiate.
         """
-        return self._accumulation.loss_scaling.scale_loss(loss)
+        accumulation = self._accumulation
+        return accumulation.loss_scaling.scale_loss(
+            loss, accumulation.micro_batch_share()
+        )
 
     def get_unscaled_gradients(self, gradients):
         """Undoes the dynamic part of `get_scaled_loss` on gradients.
@@ -249,7 +256,8 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
         accumulation = self._accumulation
         window = accumulation.window
         return accumulation.loss_scaling.unscale_gradients(
-            gradients, window.trainable_variables if window else None
+            gradients, window.trainable_variables if window else None,
+            accumulation.micro_batch_share(),
         )
 
     def micro_batch_weight(self, x, y, y_pred, sample_weight):
@@ -359,9 +367,10 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
                     self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight
                 )
             self._traced_loss_reductions = reductions
+            # Every weight exists now; loss scaling reads the window.
+            accumulation.ensure_state(self.trainable_variables,
+                                      self.distribute_strategy)
             scaled_loss = self.get_scaled_loss(loss)
-        accumulation.ensure_state(self.trainable_variables,
-                                  self.distribute_strategy)
         window = accumulation.window
         gradients = tape.gradient(scaled_loss, window.trainable_variables)
         gradients = self.get_unscaled_gradients(gradients)

@@ -775,3 +775,32 @@ def test_layers_that_add_losses_are_named():
     quiet = mlp(AccumulatingModel, regularized=True, n_gradients=2)
     quiet.compile(optimizer="sgd", loss="mse")
     assert not [m for m in _fit_user_warnings(quiet, x, y) if "add_loss" in m]
+
+
+def test_micro_batches_do_not_overflow_before_the_large_batch():
+    # A micro-batch of 8 holding the large target overflows at the default
+    # scale when its loss is scaled by the whole scale; the large batch of
+    # 32 does not, and neither does a micro-batch scaled by S/n.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 6)).astype("float32")
+    y = rng.normal(size=(96, 1)).astype("float32")
+    y[5, 0] = 12.0
+
+    def build(model_class, **kwargs):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((6,))
+        hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+        return model_class(inputs=inputs,
+                           outputs=keras.layers.Dense(1)(hidden), **kwargs)
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    plain = build(keras.Model)
+    plain.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    plain.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+    model = build(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.set_weights(build(keras.Model).get_weights())
+    model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+    assert iterations(plain) == iterations(model) == 9
+    assert model.skipped_windows == 0
+    assert max_weight_difference(plain, model) <= 1e-3

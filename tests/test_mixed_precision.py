@@ -341,3 +341,52 @@ def test_float8_under_mixed_float16_is_never_scaled():
     assert model.skipped_windows == 0
     assert iterations(model) == 20
     assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+
+
+def _one_large_target(target):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 6)).astype("float32")
+    y = rng.normal(size=(96, 1)).astype("float32")
+    y[5, 0] = target
+    return x, y
+
+
+def _tanh_regression(model_class, **kwargs):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+    return model_class(inputs=inputs, outputs=keras.layers.Dense(1)(hidden),
+                       **kwargs)
+
+
+@pytest.mark.parametrize("target, large_batch_skips", [(12.0, 0), (40.0, 1)])
+def test_micro_batches_overflow_where_the_large_batch_does(target,
+                                                           large_batch_skips):
+    # With the default scale (2**15), a micro-batch of 8 holding the large
+    # target overflows if its loss is scaled by the whole scale; the large
+    # batch of 32 does only for the larger target. Scaled by S/n, the
+    # window skips exactly the windows the large batch skips.
+    x, y = _one_large_target(target)
+    models = {}
+    for policy in ("float32", "mixed_float16"):
+        keras.mixed_precision.set_global_policy(policy)
+        models[policy] = _tanh_regression(keras.Model)
+        models[policy].compile(optimizer=keras.optimizers.Adam(0.01),
+                               loss="mse")
+        models[policy].fit(x, y, batch_size=32, epochs=3, shuffle=False,
+                           verbose=0)
+    accumulating = _tanh_regression(AccumulatingModel, n_gradients=4)
+    accumulating.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    accumulating.set_weights(_tanh_regression(keras.Model).get_weights())
+    accumulating.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+    keras.mixed_precision.set_global_policy("float32")
+
+    plain = models["mixed_float16"]
+    windows = 3 * 3
+    assert iterations(plain) == windows - large_batch_skips
+    assert iterations(accumulating) == iterations(plain)
+    assert accumulating.skipped_windows == large_batch_skips
+    assert float(accumulating.optimizer.dynamic_scale.numpy()) == float(
+        plain.optimizer.dynamic_scale.numpy())
+    rounding = max_weight_difference(plain, models["float32"])
+    assert max_weight_difference(plain, accumulating) <= 2 * rounding + 1e-6

@@ -136,6 +136,26 @@ class Accumulation:
             return self.checkpoint.pending_count("skipped_windows")
         return int(self.window.skipped_windows.numpy())
 
+    def micro_batch_share(self):
+        """Float32 scalar: the part of its window one micro-batch is, 1/n.
+
+        n is the window's length, or the micro steps the epoch has left when
+        those are fewer. Loss scaling multiplies by it, so that a
+        micro-batch's backward pass holds the large batch's per-sample terms.
+        1 before the window exists.
+        """
+        window = self.window
+        if window is None:
+            return tf.constant(1.0)
+        length = window.length
+        # A window the epoch's end will cut short holds only the micro steps
+        # the epoch has left (counted with this one); unknown: negative.
+        left = window.steps_left_in_epoch
+        expected = tf.where(
+            left >= 0, tf.minimum(length, window.micro_steps + left), length
+        )
+        return 1.0 / tf.cast(tf.maximum(expected, 1), tf.float32)
+
     def accumulator_bytes(self):
         """Int. Bytes held by one replica's accumulators."""
         return 0 if self.window is None else self.window.accumulator_bytes

@@ -7,11 +7,41 @@ gradients into the accumulators, and the window end applies the unscaled
 mean gradient with the *inner* optimizer, then moves the dynamic scale
 exactly as the `LossScaleOptimizer` would after one step on the large batch.
 
+A micro-batch's loss is scaled by the dynamic scale times its share of the
+window (1/n for a window of n), so that its per-sample terms in the backward
+pass are the large batch's: a micro-batch overflows where the large batch
+would, not earlier. Its gradients are unscaled by the inverse.
+
 Each Keras adapter's `LossScaling` subclasses `OptimizerDuties` and fills in
 its Keras's way of doing each duty, with the same methods: `is_built`,
 `build`, `apply`, `scale_loss`, `unscale_gradients`, `after_update`,
 `after_overflow`, and the class attribute `clips_before_summing_replicas`.
 """
+
+import tensorflow as tf
+
+
+def scaled_gradients(gradients, factor, keep=None):
+    """`gradients` multiplied by the scalar `factor`.
+
+    Args:
+        gradients: List of tensors, `tf.IndexedSlices` or None.
+        factor: Float scalar tensor.
+        keep: Optional list of bools, True where a gradient is left as it is.
+    """
+    keep = keep or [False] * len(gradients)
+    result = []
+    for gradient, kept in zip(gradients, keep):
+        if gradient is None or kept:
+            result.append(gradient)
+        elif isinstance(gradient, tf.IndexedSlices):
+            result.append(tf.IndexedSlices(
+                gradient.values * tf.cast(factor, gradient.values.dtype),
+                gradient.indices, gradient.dense_shape,
+            ))
+        else:
+            result.append(gradient * tf.cast(factor, gradient.dtype))
+    return result
 
 
 class OptimizerDuties:

@@ -13,6 +13,7 @@ optimizers (`optimizers.legacy`) are built through the private
 import tensorflow as tf
 
 from accum_model.core.optimizer_duties import OptimizerDuties
+from accum_model.core.optimizer_duties import scaled_gradients
 from accum_model.keras2.package import keras
 from accum_model.keras2.package import src
 
@@ -40,16 +41,22 @@ class LossScaling(OptimizerDuties):
     def __init__(self, optimizer):
         super().__init__(optimizer, keras.mixed_precision.LossScaleOptimizer)
 
-    def scale_loss(self, loss):
+    def scale_loss(self, loss, share=1.0):
+        """The loss times the dynamic scale and the micro-batch's `share` of
+        the window under a `LossScaleOptimizer`."""
         if not self.active:
             return loss
-        return self.loss_scale_optimizer.get_scaled_loss(loss)
+        return self.loss_scale_optimizer.get_scaled_loss(
+            loss * tf.cast(share, loss.dtype)
+        )
 
-    def unscale_gradients(self, gradients, variables=None):
+    def unscale_gradients(self, gradients, variables=None, share=1.0):
+        """Divides by the dynamic scale and the share."""
         del variables  # Keras 2 has no variables it overwrites with gradients.
         if not self.active:
             return gradients
-        return self.loss_scale_optimizer.get_unscaled_gradients(gradients)
+        unscaled = self.loss_scale_optimizer.get_unscaled_gradients(gradients)
+        return scaled_gradients(unscaled, 1.0 / share)
 
     def _dynamic_state(self):
         lso = self.loss_scale_optimizer

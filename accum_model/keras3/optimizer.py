@@ -12,6 +12,7 @@ import tensorflow as tf
 from keras import optimizers
 
 from accum_model.core.optimizer_duties import OptimizerDuties
+from accum_model.core.optimizer_duties import scaled_gradients
 from accum_model.core.window import is_overwritten_with_gradient
 
 __all__ = ["LossScaling"]
@@ -46,7 +47,10 @@ class LossScaling(OptimizerDuties):
             return tf.convert_to_tensor(lso.dynamic_scale, tf.float32)
         return tf.constant(lso.initial_scale, tf.float32)
 
-    def scale_loss(self, loss):
+    def scale_loss(self, loss, share=1.0):
+        """The loss times any static `loss_scale_factor`, and times the
+        dynamic scale and the micro-batch's `share` of the window under a
+        `LossScaleOptimizer`."""
         # A static `loss_scale_factor` on the optimizer: its `apply` divides
         # the gradients by it, so the loss must be multiplied by it here.
         factor = getattr(self.update_optimizer, "loss_scale_factor", None)
@@ -54,22 +58,21 @@ class LossScaling(OptimizerDuties):
             loss = loss * tf.cast(factor, loss.dtype)
         if not self.active:
             return loss
-        return loss * tf.cast(self.current_scale(), loss.dtype)
+        return loss * tf.cast(self.current_scale() * share, loss.dtype)
 
-    def unscale_gradients(self, gradients, variables=None):
-        """Divides by the dynamic scale, except where Keras overwrites a
-        variable with its gradient (float8 statistics are not scaled)."""
+    def unscale_gradients(self, gradients, variables=None, share=1.0):
+        """Divides by the dynamic scale and the share, except where Keras
+        overwrites a variable with its gradient (float8 statistics are not
+        scaled)."""
         if not self.active:
             return gradients
-        inverse = 1.0 / self.current_scale()
-        overwrite = [
+        keep = [
             is_overwritten_with_gradient(v)
             for v in (variables or [None] * len(gradients))
         ]
-        return [
-            g if g is None or kept else g * tf.cast(inverse, g.dtype)
-            for g, kept in zip(gradients, overwrite)
-        ]
+        return scaled_gradients(
+            gradients, 1.0 / (self.current_scale() * share), keep
+        )
 
     def after_update(self):
         """Counts one applied update; doubles the scale every growth period."""
