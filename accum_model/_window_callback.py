@@ -85,7 +85,8 @@ class WindowCallback(keras.callbacks.Callback):
             self.apply_if_epoch_ends_window()
 
     def on_epoch_end(self, epoch, logs=None):
-        self.apply_if_epoch_ends_window()
+        if self.apply_if_epoch_ends_window():
+            self.log_window_loss(logs)
         self.log_skipped_windows(logs)
 
     def on_train_end(self, logs=None):
@@ -95,10 +96,22 @@ class WindowCallback(keras.callbacks.Callback):
         self._epoch = None
 
     def apply_if_epoch_ends_window(self):
+        """Applies the open window if the epoch ends it; returns whether
+        one was open."""
         model = self.accumulating_model
         last_epoch = self._epoch is not None and self._epoch + 1 >= self.epochs
         if model.flush_each_epoch or last_epoch or model.stop_training:
-            model.apply_open_window()
+            if model._accumulation.open_micro_steps():
+                model.apply_open_window()
+                return True
+        return False
+
+    def log_window_loss(self, logs):
+        """Keras read the epoch's loss before the window applied here was:
+        the epoch's logs get the loss with that window in it."""
+        loss = adapter.logged_loss(self.accumulating_model)
+        if logs is not None and "loss" in logs and loss is not None:
+            logs["loss"] = loss
 
     def log_skipped_windows(self, logs):
         model = self.accumulating_model
@@ -120,6 +133,9 @@ class _StoppedWindowCallback(keras.callbacks.Callback):
         self.window_callback = window_callback
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.window_callback.accumulating_model.stop_training:
-            self.window_callback.accumulating_model.apply_open_window()
-            self.window_callback.log_skipped_windows(logs)
+        window_callback = self.window_callback
+        model = window_callback.accumulating_model
+        if model.stop_training and model._accumulation.open_micro_steps():
+            model.apply_open_window()
+            window_callback.log_window_loss(logs)
+            window_callback.log_skipped_windows(logs)

@@ -5,6 +5,7 @@ this class connects it to Keras's `fit()`, `train_step`, configuration and
 saving, through the adapter of the Keras in use.
 """
 
+import functools
 import inspect
 import warnings
 
@@ -49,8 +50,9 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
     `AccumulatingModel(inputs=..., outputs=..., n_gradients=4)`, or as a base
     class whose `__init__` calls `super().__init__(n_gradients=4, **kwargs)`,
     alone or next to another model class
-    (`class Net(AccumulatingModel, SomeKerasModel)`). Metrics, the loss in the
-    progress bar and callbacks see every micro step. `evaluate()` and
+    (`class Net(AccumulatingModel, SomeKerasModel)`). Compiled metrics and
+    callbacks see every micro step; the loss in the logs is each window's,
+    logged when it ends, as the large batch's would be. `evaluate()` and
     `predict()` are those of `keras.Model`. A subclass that writes its own
     `train_step` hands each micro-batch's gradients to
     `accumulate_gradients`.
@@ -331,8 +333,10 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
         if accumulation.accumulates:
             self._check_ready_to_accumulate()
             accumulation.check_window_fits(self.trainable_variables)
-            accumulation.set_up(adapter.LossScaling(self.optimizer),
-                                self.run_eagerly)
+            accumulation.set_up(
+                adapter.LossScaling(self.optimizer), self.run_eagerly,
+                report_loss=functools.partial(adapter.track_loss, self),
+            )
         super().make_train_function(force)
         if accumulation.accumulates:
             self.train_function = WindowCallback.applying_open_window_at_end(
@@ -375,7 +379,6 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
         gradients = tape.gradient(scaled_loss, window.trainable_variables)
         gradients = self.get_unscaled_gradients(gradients)
         batch_size = divisor.batch_size(x)
-        adapter.track_loss(self, loss, batch_size)
 
         # The loss is a mean over `weight` elements; multiplying it back
         # gives the gradient of the summed loss, which the window end
@@ -393,8 +396,9 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
         )
         _checks.warn_if_activity_penalty_is_masked(self, AccumulatingModel,
                                                    y_pred)
+        # The loss in logs is the window's, logged once when it ends.
         accumulation.add_micro_step(gradients, weight, batch_size,
-                                    divide_by_weight=not summed)
+                                    divide_by_weight=not summed, loss=loss)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         if accumulation.window_end.checks_finite:
             # An overflow must never pass silently: show the count.

@@ -150,9 +150,10 @@ def test_callbacks_see_every_micro_batch_and_history_has_compiled_metrics():
     assert all(len(v) == 2 for v in history.history.values())
 
 
-def test_reported_loss_is_the_micro_batch_loss_weighted_by_samples():
+def test_reported_loss_is_the_window_loss_weighted_by_samples():
     # With a learning rate of 0 nothing moves, so the epoch loss must be the
-    # loss of the whole data set, exactly as `evaluate` computes it.
+    # loss of the whole data set, exactly as `evaluate` computes it (windows
+    # of 32, 32, 32 and 4 samples).
     x, y = regression_data(samples=100)
     model = _compiled(optimizer=keras.optimizers.SGD(0.0))
     history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False,

@@ -144,3 +144,66 @@ def test_outputs_whose_divisors_differ_are_warned_about():
     model.compile(optimizer="sgd", loss=loss)
     with pytest.warns(UserWarning, match="micro_batch_weight"):
         model.fit(x, targets, batch_size=8, epochs=1, verbose=0)
+
+
+def _fit_histories(build, loss, x, y, sample_weight=None, strategy=None,
+                   make_optimizer=lambda: keras.optimizers.Adam(0.01)):
+    """Epoch losses of plain Keras (batches of 32) and of windows of 4 x 8."""
+    plain = build(keras.Model)
+    plain.compile(optimizer=make_optimizer(), loss=loss)
+    plain_history = plain.fit(x, y, sample_weight=sample_weight,
+                              batch_size=32, epochs=2, shuffle=False,
+                              verbose=0)
+    scope = strategy.scope() if strategy else tf.name_scope("one_device")
+    with scope:
+        model = build(AccumulatingModel, n_gradients=4)
+        model.compile(optimizer=make_optimizer(), loss=loss)
+    model.set_weights(build(keras.Model).get_weights())
+    history = model.fit(x, y, sample_weight=sample_weight, batch_size=8,
+                        epochs=2, shuffle=False, verbose=0)
+    assert max_weight_difference(plain, model) <= TOLERANCE
+    return plain_history.history["loss"], history.history["loss"]
+
+
+def _masked_gru(model_class, **kwargs):
+    keras.utils.set_random_seed(4)
+    tokens = keras.Input((None,), dtype="int32")
+    embedded = keras.layers.Embedding(VOCABULARY, 4, mask_zero=True)(tokens)
+    hidden = keras.layers.GRU(6, return_sequences=True)(embedded)
+    outputs = keras.layers.Dense(VOCABULARY)(hidden)
+    return model_class(inputs=tokens, outputs=outputs, **kwargs)
+
+
+def test_epoch_loss_of_masked_sequences_is_the_large_batch_loss():
+    # Micro-batches of 2 and of 10 valid steps: weighting their losses by
+    # samples, as Keras weights a batch, is not the large batch's loss.
+    # SGD: Keras's Adam treats an Embedding's repeated rows one by one in
+    # the large batch, which is not the reference (see test_exactness.py).
+    _, y = _token_data()
+    x = y.copy()
+    plain, ours = _fit_histories(
+        _masked_gru,
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True), x, y,
+        make_optimizer=lambda: keras.optimizers.SGD(0.1))
+    np.testing.assert_allclose(ours, plain, rtol=1e-5)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_epoch_loss_with_ignored_tokens_is_the_large_batch_loss(
+        replicas, two_replicas):
+    x, y = _token_data()
+    plain, ours = _fit_histories(
+        _tagger,
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                   ignore_class=0),
+        x, y, strategy=two_replicas if replicas == 2 else None)
+    np.testing.assert_allclose(ours, plain, rtol=1e-5)
+
+
+def test_epoch_loss_of_a_weighted_mean_is_the_large_batch_loss():
+    x, y = regression_data(samples=64)
+    weights = np.where(np.arange(64) % 16 < 8, 0.1, 3.0).astype("float32")
+    plain, ours = _fit_histories(
+        mlp, keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"),
+        x, y, sample_weight=weights)
+    np.testing.assert_allclose(ours, plain, rtol=1e-5)

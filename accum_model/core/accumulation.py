@@ -58,6 +58,7 @@ class Accumulation:
         # windows carry across epochs.
         self._epoch_steps = -1
         self._run_eagerly = False
+        self._report_loss = None
         self._warned = set()
 
     def warn_once(self, message):
@@ -162,15 +163,18 @@ class Accumulation:
 
     # Set-up ----------------------------------------------------------------
 
-    def set_up(self, loss_scaling, run_eagerly):
+    def set_up(self, loss_scaling, run_eagerly, report_loss=None):
         """Decides, once per compiled set-up, how windows are applied.
 
         Args:
             loss_scaling: The compiled optimizer's duties.
             run_eagerly: Bool. Whether the model trains eagerly.
+            report_loss: Callable `(loss, samples)` that logs a window's
+                loss (replica context), or None.
         """
         self.loss_scaling = loss_scaling
         self._run_eagerly = run_eagerly
+        self._report_loss = report_loss
         if self.window is not None:
             self.window_end = self._make_window_end(self.window)
 
@@ -233,7 +237,7 @@ class Accumulation:
     def _make_window_end(self, window):
         return WindowEnd.for_window(
             window, self.loss_scaling, self._run_eagerly,
-            self.settings.may_overflow,
+            self.settings.may_overflow, self._report_loss,
         )
 
     # Training --------------------------------------------------------------
@@ -255,7 +259,7 @@ class Accumulation:
             window.set_length(self.window_length())
 
     def add_micro_step(self, gradients, weight, batch_size,
-                       divide_by_weight=True):
+                       divide_by_weight=True, loss=None):
         """Adds one micro-batch's gradients; ends the window when due.
 
         Replica context, inside the training step, after `ensure_state`.
@@ -267,6 +271,8 @@ class Accumulation:
             batch_size: Int scalar. This replica's samples in the step.
             divide_by_weight: Bool. False when every loss term is a sum:
                 the window is then the sum of its micro-batches' gradients.
+            loss: Scalar, the micro-batch's unscaled loss, whose window mean
+                is logged when the window ends; None to log nothing.
         """
         window = self.window
         if len(gradients) != len(window.trainable_variables):
@@ -281,7 +287,7 @@ class Accumulation:
             samples, window.strategy,
             exact=not self.settings.flush_each_epoch,
         )
-        window.add(gradients, weight, samples, has_data)
+        window.add(gradients, weight, samples, has_data, loss)
         window_full = window.is_full()
         epoch_ends = tf.equal(window.steps_left_in_epoch, 0)
         self.window_end.end_if(

@@ -26,9 +26,9 @@ from accum_model.core.tf_checkpoint import SavedInTfCheckpoints
 # windows after the open one take the loading model's length, so only the
 # open window's own length is saved.
 _COUNTERS = ("weight_sum", "sample_sum", "micro_steps", "skipped_windows",
-             "length")
+             "length", "loss_sum")
 # Counters summed over replicas (the others are equal on every replica).
-_SUMMED = ("weight_sum", "sample_sum")
+_SUMMED = ("weight_sum", "sample_sum", "loss_sum")
 
 
 class WindowCheckpoint(SavedInTfCheckpoints):
@@ -92,6 +92,11 @@ class WindowCheckpoint(SavedInTfCheckpoints):
             # or by a plain `keras.Model`): restore an empty window.
             arrays = _empty_state()
         arrays = {key: np.asarray(value) for key, value in arrays.items()}
+        # A window saved before the loss sum was kept: it logs no loss so far.
+        counters = arrays["counters"]
+        arrays["counters"] = np.concatenate(
+            [counters, np.zeros([len(_COUNTERS) - len(counters)])]
+        )
         self.restored_micro_steps = int(
             arrays["counters"][_COUNTERS.index("micro_steps")]
         )

@@ -41,6 +41,9 @@ class GradientWindow:
         # Which variables received a gradient, learned when the training
         # step is traced; variables without one are never updated.
         self.has_gradient = [False] * len(self.trainable_variables)
+        # Whether micro steps hand in their loss (the built-in training step
+        # does; a step of the user's own reports its loss itself).
+        self.tracks_loss = False
         # Variables Keras overwrites with their "gradient" (float8 amax
         # histories and scales): the window keeps the largest value of its
         # micro steps, as Keras's own gradient accumulation does.
@@ -64,6 +67,9 @@ class GradientWindow:
                 )
             ]
             self.weight_sum = self._scalar("window_weight", tf.float32, "sum")
+            # The micro-batches' losses, each times its weight: divided by
+            # the window's weight, the large batch's loss.
+            self.loss_sum = self._scalar("window_loss", tf.float32, "sum")
             self.sample_sum = self._scalar("window_samples", tf.float32, "sum")
             self.micro_steps = self._scalar("window_micro_steps", tf.int64)
             # Micro steps left before the epoch ends; negative when unknown.
@@ -107,7 +113,7 @@ class GradientWindow:
             for s in self.gradient_sums
         )
 
-    def add(self, gradients, weight, samples, counts):
+    def add(self, gradients, weight, samples, counts, loss=None):
         """Adds a micro step to the window (replica context).
 
         Args:
@@ -118,6 +124,7 @@ class GradientWindow:
             counts: Bool scalar, whether the step counts as a micro step
                 (the micro-batch has data on some replica). Equal on all
                 replicas.
+            loss: Scalar, the micro-batch's loss, or None if not tracked.
         """
         # A variable keeps its gradient once any micro step gave it one (in
         # eager mode each step reports its own; a trace reports them all).
@@ -155,6 +162,9 @@ class GradientWindow:
                 continue
             gradient_sum.assign_add(_weighted(gradient, weight, dtype))
         self.weight_sum.assign_add(weight)
+        if loss is not None:
+            self.tracks_loss = True
+            self.loss_sum.assign_add(tf.cast(loss, tf.float32) * weight)
         self.sample_sum.assign_add(samples)
         step = tf.cast(counts, tf.int64)
         self.micro_steps.assign_add(step)
@@ -210,6 +220,7 @@ class GradientWindow:
         for gradient_sum in self.gradient_sums:
             gradient_sum.assign(tf.zeros_like(gradient_sum))
         self.weight_sum.assign(0.0)
+        self.loss_sum.assign(0.0)
         self.sample_sum.assign(0.0)
         self.micro_steps.assign(0)
         self.length.assign(self.next_length)

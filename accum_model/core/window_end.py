@@ -26,23 +26,28 @@ class WindowEnd:
         run_eagerly: Bool. Whether `apply_open` runs without `tf.function`.
         accumulators_may_overflow: Bool. Whether a non-finite window is
             skipped even without loss scaling (narrow accumulators).
+        report_loss: Callable `(loss, samples)`, run in replica context for
+            each window that saw samples, with the window's loss (the large
+            batch's) and the replica's samples in it; or None.
     """
 
     def __init__(self, window, loss_scaling, strategy, reduce_before_clipping,
-                 run_eagerly, accumulators_may_overflow=False):
+                 run_eagerly, accumulators_may_overflow=False,
+                 report_loss=None):
         self.window = window
         self.loss_scaling = loss_scaling
         self.strategy = strategy
         self.reduce_before_clipping = reduce_before_clipping
         self.run_eagerly = run_eagerly
         self.checks_finite = loss_scaling.active or accumulators_may_overflow
+        self.report_loss = report_loss
         # False for losses reduced with "sum": the window is their sum.
         self.divide_by_weight = True
         self._apply_open_functions = {}
 
     @classmethod
     def for_window(cls, window, loss_scaling, run_eagerly,
-                   accumulators_may_overflow):
+                   accumulators_may_overflow, report_loss=None):
         """The window end of a compiled set-up (see the class's arguments)."""
         strategy = window.strategy
         # Keras 3 clips each replica's gradients before summing them over
@@ -57,7 +62,7 @@ class WindowEnd:
             for name in ("clipnorm", "clipvalue", "global_clipnorm")
         )
         return cls(window, loss_scaling, strategy, reduce_before_clipping,
-                   run_eagerly, accumulators_may_overflow)
+                   run_eagerly, accumulators_may_overflow, report_loss)
 
     def end_if(self, should_end):
         """From replica context: ends the window when `should_end` holds."""
@@ -72,13 +77,15 @@ class WindowEnd:
         window = self.window
         scaling = self.loss_scaling
         totals = replicas.sum_over_replicas(
-            lambda: tf.stack(
-                [window.weight_sum, window.sample_sum, window.local_is_finite()]
-            )
+            lambda: tf.stack([
+                window.weight_sum, window.sample_sum,
+                window.local_is_finite(), window.loss_sum,
+            ])
         )
         total_weight, total_samples = totals[0], totals[1]
         if not self.divide_by_weight:
             total_weight = tf.constant(1.0)
+        window_loss = tf.math.divide_no_nan(totals[3], total_weight)
         num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
         finite = tf.equal(totals[2], float(num_replicas))
 
@@ -94,11 +101,23 @@ class WindowEnd:
 
         def update_or_skip():
             if self.checks_finite:
-                tf.cond(finite, replicas.without_result(update), replicas.without_result(skip))
+                tf.cond(finite, replicas.without_result(update),
+                        replicas.without_result(skip))
             else:
                 update()
 
-        tf.cond(total_samples > 0, replicas.without_result(update_or_skip), replicas.do_nothing)
+        def report_and_apply():
+            # Logged whether the window is applied or skipped for overflow,
+            # as Keras logs the loss of a large batch it skips.
+            if self.report_loss is not None and window.tracks_loss:
+                replicas.for_each_replica(
+                    lambda: self.report_loss(window_loss,
+                                             window.sample_sum.value())
+                )
+            update_or_skip()
+
+        tf.cond(total_samples > 0, replicas.without_result(report_and_apply),
+                replicas.do_nothing)
         replicas.for_each_replica(window.reset)
 
     def _apply_mean_gradients(self, total_weight):

@@ -20,8 +20,8 @@ _losses_utils = src("utils.losses_utils")
 LOSS_REDUCTIONS = ("auto", "sum_over_batch_size", "sum")
 
 __all__ = ["LOSS_REDUCTIONS", "compute_loss", "get_keras_mask",
-           "losses_not_divided_by_replicas", "recording_loss_reductions",
-           "track_loss"]
+           "logged_loss", "losses_not_divided_by_replicas",
+           "recording_loss_reductions", "track_loss"]
 
 
 def compute_loss(model, **arguments):
@@ -33,8 +33,14 @@ def get_keras_mask(tensor):
 
 
 def track_loss(model, loss, batch_size):
-    """Nothing to do: Keras 2's compiled loss updates the "loss" it reports."""
+    """Nothing to do: Keras 2's compiled loss updates the "loss" it reports
+    in every micro step (`LossesContainer._loss_metric`)."""
     del model, loss, batch_size
+
+
+def logged_loss(model):
+    """None: Keras 2's logged loss is its compiled loss's, already final."""
+    del model
 
 
 def losses_not_divided_by_replicas():

@@ -20,8 +20,8 @@ LOSS_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight",
                    "sum")
 
 __all__ = ["LOSS_REDUCTIONS", "compute_loss", "get_keras_mask",
-           "losses_not_divided_by_replicas", "recording_loss_reductions",
-           "track_loss"]
+           "logged_loss", "losses_not_divided_by_replicas",
+           "recording_loss_reductions", "track_loss"]
 
 
 def compute_loss(model, **arguments):
@@ -36,15 +36,22 @@ def compute_loss(model, **arguments):
 
 
 def track_loss(model, loss, batch_size):
-    """Adds a micro-batch's loss to the "loss" that `fit()` reports.
+    """Adds a window's loss to the "loss" that `fit()` reports.
 
     Keras keeps that `Mean` metric in the private `Trainer._loss_tracker`;
-    its own `train_step` updates it directly, weighted by the batch size,
-    and no public accessor exists.
+    its own `train_step` updates it directly with each batch's loss,
+    weighted by the batch size, and no public accessor exists. A window
+    counts like one large batch.
     """
     tracker = getattr(model, "_loss_tracker", None)
     if tracker is not None:
         tracker.update_state(loss, sample_weight=batch_size)
+
+
+def logged_loss(model):
+    """The "loss" `fit()` logs now (the `_loss_tracker`'s mean), or None."""
+    tracker = getattr(model, "_loss_tracker", None)
+    return None if tracker is None else float(tracker.result())
 
 
 def losses_not_divided_by_replicas():
