@@ -325,6 +325,7 @@ def check_ready_to_accumulate(model, requested_class, base):
     """
     check_optimizer_does_not_accumulate(model.optimizer)
     check_strategy(model.distribute_strategy)
+    adapter.check_optimizer(model.optimizer, model.distribute_strategy)
     check_loss_reductions(tf.nest.flatten(model.loss))
     check_no_foreign_layers(model)
     check_float8_on_one_replica(model)

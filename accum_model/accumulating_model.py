@@ -435,6 +435,10 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
         accumulation.add_micro_step(list(gradients), weight, batch_size)
 
 
+
+# Keras 2 writes the plain class name into `.h5` files and JSON.
+adapter.register_plain_name(AccumulatingModel)
+
 def _takes_keyword(function, name):
     """Whether `function` accepts the keyword argument `name`."""
     parameters = inspect.signature(function).parameters.values()

@@ -16,10 +16,12 @@ from accum_model.keras2.losses import losses_not_divided_by_replicas
 from accum_model.keras2.losses import recording_loss_reductions
 from accum_model.keras2.losses import track_loss
 from accum_model.keras2.optimizer import LossScaling
+from accum_model.keras2.optimizer import check_optimizer
 from accum_model.keras2.saving import Functional
 from accum_model.keras2.saving import WindowCheckpoint
 from accum_model.keras2.saving import clones_through_constructor
 from accum_model.keras2.saving import functional_constructor_signature
+from accum_model.keras2.saving import register_plain_name
 from accum_model.keras2.saving import serialize_as
 from accum_model.keras2.training import END_OF_DATA_ERRORS
 from accum_model.keras2.training import STEPS_PER_EXECUTION_FIX
@@ -41,6 +43,7 @@ __all__ = [
     "ModelDifferences",
     "STEPS_PER_EXECUTION_FIX",
     "WindowCheckpoint",
+    "check_optimizer",
     "check_strategy",
     "clones_through_constructor",
     "compute_loss",
@@ -56,6 +59,7 @@ __all__ = [
     "micro_steps_in_epoch",
     "model_keyword_arguments",
     "recording_loss_reductions",
+    "register_plain_name",
     "serialize_as",
     "steps_per_execution",
     "track_loss",

@@ -20,7 +20,8 @@ _object_registration = src("saving.object_registration")
 Functional = _functional.Functional
 
 __all__ = ["Functional", "WindowCheckpoint", "clones_through_constructor",
-           "functional_constructor_signature", "serialize_as"]
+           "functional_constructor_signature", "register_plain_name",
+           "serialize_as"]
 
 
 def serialize_as(alias_class, registered_class):
@@ -31,6 +32,18 @@ def serialize_as(alias_class, registered_class):
     names = _object_registration._GLOBAL_CUSTOM_NAMES
     if registered_class in names:
         names[alias_class] = names[registered_class]
+
+
+def register_plain_name(cls):
+    """Lets Keras 2 find `cls` by its plain name when it loads a model.
+
+    Keras 2 writes a model's `__class__.__name__` into `.h5` files and
+    `to_json` (`Model._updated_config`) but registers `package>name`; an
+    unknown name fails `load_model` and makes `model_from_json` return the
+    name itself. Adds the plain name to the private `_GLOBAL_CUSTOM_OBJECTS`
+    unless another class holds it.
+    """
+    _object_registration._GLOBAL_CUSTOM_OBJECTS.setdefault(cls.__name__, cls)
 
 
 def functional_constructor_signature():

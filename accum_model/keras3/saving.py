@@ -13,7 +13,8 @@ from accum_model.core import checkpoint
 from accum_model.core import class_tree
 
 __all__ = ["Functional", "WindowCheckpoint", "clones_through_constructor",
-           "functional_constructor_signature", "serialize_as"]
+           "functional_constructor_signature", "register_plain_name",
+           "serialize_as"]
 
 
 def serialize_as(alias_class, registered_class):
@@ -26,6 +27,11 @@ def serialize_as(alias_class, registered_class):
     names = object_registration.GLOBAL_CUSTOM_NAMES
     if registered_class in names:
         names[alias_class] = names[registered_class]
+
+
+def register_plain_name(cls):
+    """Nothing to do: Keras 3 writes and reads the registered name."""
+    del cls
 
 
 def functional_constructor_signature():
