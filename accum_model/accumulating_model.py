@@ -366,6 +366,7 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
             # This replica's own mean loss, never divided by the replicas:
             # the window end divides by the whole window's weight instead.
             with adapter.losses_not_divided_by_replicas(), \
+                    adapter.loss_logged_by_window(self), \
                     adapter.recording_loss_reductions() as reductions:
                 loss = adapter.compute_loss(
                     self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight

@@ -860,3 +860,51 @@ def test_legacy_optimizers_on_one_device_stay_exact():
     plain, model = fit_both(OPTIMIZERS["legacy_sgd_momentum"], x, y)
     assert iterations(model) == iterations(plain)
     assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+def _histories(build, loss, x, y, make_optimizer, micro_batch=8,
+               callbacks=None):
+    """Epoch losses of plain Keras 2 on 4*b and of windows of 4 x b."""
+    plain = build(keras.Model)
+    plain.compile(optimizer=make_optimizer(), loss=loss)
+    expected = plain.fit(x, y, batch_size=4 * micro_batch, epochs=2,
+                         shuffle=False, verbose=0)
+    model = build(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer=make_optimizer(), loss=loss)
+    model.set_weights(build(keras.Model).get_weights())
+    history = model.fit(x, y, batch_size=micro_batch, epochs=2,
+                        shuffle=False, verbose=0, callbacks=callbacks)
+    assert max_weight_difference(plain, model) <= TOLERANCE
+    return expected.history["loss"], history.history["loss"]
+
+
+def test_epoch_loss_of_masked_sequences_is_the_large_batch_loss():
+    x, y = _padded_sequences()
+    expected, logged = _histories(_masked_lstm, "mse", x, y,
+                                  OPTIMIZERS["sgd"], micro_batch=6)
+    np.testing.assert_allclose(logged, expected, rtol=1e-5)
+
+
+def _tagger(model_class, **kwargs):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((5, 3))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    return model_class(inputs=inputs, outputs=keras.layers.Dense(4)(hidden),
+                       **kwargs)
+
+
+def test_a_micro_batch_with_every_label_ignored_logs_no_nan():
+    # Keras 2 divides a micro-batch whose labels are all ignored by zero
+    # valid labels; the large batch around it has valid labels.
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(64, 5, 3)).astype("float32")
+    y = rng.integers(0, 4, size=(64, 5)).astype("int32")
+    y[8:16] = -1  # the second micro-batch of every first window
+    y[40:48] = -1
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                      ignore_class=-1)
+    expected, logged = _histories(
+        _tagger, loss, x, y, OPTIMIZERS["adam"],
+        callbacks=[keras.callbacks.TerminateOnNaN()])
+    assert len(logged) == 2 and np.all(np.isfinite(logged))
+    np.testing.assert_allclose(logged, expected, rtol=1e-5)

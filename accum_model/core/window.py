@@ -164,7 +164,11 @@ class GradientWindow:
         self.weight_sum.assign_add(weight)
         if loss is not None:
             self.tracks_loss = True
-            self.loss_sum.assign_add(tf.cast(loss, tf.float32) * weight)
+            # A micro-batch of weight 0 (every element masked or ignored)
+            # adds nothing, also where its own mean loss is 0/0 (Keras 2).
+            self.loss_sum.assign_add(tf.where(
+                tf.equal(weight, 0.0), 0.0, tf.cast(loss, tf.float32) * weight
+            ))
         self.sample_sum.assign_add(samples)
         step = tf.cast(counts, tf.int64)
         self.micro_steps.assign_add(step)

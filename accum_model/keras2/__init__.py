@@ -12,6 +12,7 @@ from accum_model.keras2.losses import LOSS_REDUCTIONS
 from accum_model.keras2.losses import compute_loss
 from accum_model.keras2.losses import get_keras_mask
 from accum_model.keras2.losses import logged_loss
+from accum_model.keras2.losses import loss_logged_by_window
 from accum_model.keras2.losses import losses_not_divided_by_replicas
 from accum_model.keras2.losses import recording_loss_reductions
 from accum_model.keras2.losses import track_loss
@@ -54,6 +55,7 @@ __all__ = [
     "keras",
     "layers_of",
     "logged_loss",
+    "loss_logged_by_window",
     "logs_for_reduction",
     "losses_not_divided_by_replicas",
     "micro_steps_in_epoch",

@@ -20,8 +20,9 @@ _losses_utils = src("utils.losses_utils")
 LOSS_REDUCTIONS = ("auto", "sum_over_batch_size", "sum")
 
 __all__ = ["LOSS_REDUCTIONS", "compute_loss", "get_keras_mask",
-           "logged_loss", "losses_not_divided_by_replicas",
-           "recording_loss_reductions", "track_loss"]
+           "logged_loss", "loss_logged_by_window",
+           "losses_not_divided_by_replicas", "recording_loss_reductions",
+           "track_loss"]
 
 
 def compute_loss(model, **arguments):
@@ -32,15 +33,41 @@ def get_keras_mask(tensor):
     return getattr(tensor, "_keras_mask", None)
 
 
+def _logged_loss_metric(model):
+    """The `Mean` behind the "loss" Keras 2 logs: the private
+    `LossesContainer._total_loss_mean` of `model.compiled_loss`."""
+    return getattr(getattr(model, "compiled_loss", None), "_total_loss_mean",
+                   None)
+
+
+def loss_logged_by_window(model):
+    """While a micro-batch's loss is computed, keeps Keras 2 from logging it.
+
+    `LossesContainer.__call__` adds each batch's loss to the logged "loss";
+    the window logs its own loss instead (`track_loss`) when it ends.
+    """
+    metric = _logged_loss_metric(model)
+    if metric is None:
+        return contextlib.nullcontext()
+    return replaced(metric, {"update_state": _log_nothing})
+
+
+def _log_nothing(*args, **kwargs):
+    del args, kwargs
+
+
 def track_loss(model, loss, batch_size):
-    """Nothing to do: Keras 2's compiled loss updates the "loss" it reports
-    in every micro step (`LossesContainer._loss_metric`)."""
-    del model, loss, batch_size
+    """Adds a window's loss to the "loss" that `fit()` reports, weighted by
+    its samples as Keras 2 weights a batch's."""
+    metric = _logged_loss_metric(model)
+    if metric is not None:
+        metric.update_state(loss, sample_weight=batch_size)
 
 
 def logged_loss(model):
-    """None: Keras 2's logged loss is its compiled loss's, already final."""
-    del model
+    """The "loss" `fit()` logs now, or None."""
+    metric = _logged_loss_metric(model)
+    return None if metric is None else float(metric.result())
 
 
 def losses_not_divided_by_replicas():
