@@ -342,7 +342,7 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
             self.train_function = WindowCallback.applying_open_window_at_end(
                 self.train_function, self
             )
-        self.train_function = accumulation.update_signal.watching(
+        self.train_function = accumulation.watch_updates(
             self.train_function, self.optimizer
         )
         return self.train_function

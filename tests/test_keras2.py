@@ -544,7 +544,9 @@ def test_overflowing_window_is_skipped_whole():
 
     model, history = _under_mixed_float16(train, 64)
     first_window_only, _ = _under_mixed_float16(train, 32)
-    assert iterations(model) == 1
+    # One update and one skip, which Keras 2 counts in `iterations`.
+    assert iterations(model) == 2
+    assert iterations(first_window_only) == 1
     assert model.skipped_windows == 1
     assert history.history["skipped_windows"] == [1]
     # One update, then one overflow: Keras 2's own rule halves the scale.
@@ -908,3 +910,63 @@ def test_a_micro_batch_with_every_label_ignored_logs_no_nan():
         callbacks=[keras.callbacks.TerminateOnNaN()])
     assert len(logged) == 2 and np.all(np.isfinite(logged))
     np.testing.assert_allclose(logged, expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd_decay", "legacy_adam"])
+def test_a_skipped_window_counts_in_iterations_like_a_skipped_step(name):
+    # Keras 2's LossScaleOptimizer adds 1 to `iterations` when it skips a
+    # step, so schedules and Adam's bias correction move on: a window
+    # skipped for the same overflow must too.
+    make_optimizer = {
+        "adam": lambda: keras.optimizers.Adam(0.01),
+        "sgd_decay": lambda: keras.optimizers.SGD(
+            keras.optimizers.schedules.ExponentialDecay(0.05, 1, 0.7)),
+        "legacy_adam": lambda: keras.optimizers.legacy.Adam(0.01),
+    }[name]
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 6)).astype("float32")
+    y = rng.normal(size=(64, 1)).astype("float32")
+    y[5, 0] = 1e4  # overflows the large batch of 16 at the default scale
+
+    def build(model_class, **kwargs):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((6,))
+        hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+        return model_class(inputs=inputs,
+                           outputs=keras.layers.Dense(1)(hidden), **kwargs)
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    plain = build(keras.Model)
+    plain.compile(optimizer=make_optimizer(), loss="mse")
+    plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    model = build(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer=make_optimizer(), loss="mse")
+    model.set_weights(build(keras.Model).get_weights())
+    model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert model.skipped_windows >= 1
+    assert iterations(model) == iterations(plain) == 8
+    assert float(model.optimizer.loss_scale) == float(
+        plain.optimizer.loss_scale)
+    assert max_weight_difference(plain, model) <= 1e-3
+
+
+def test_a_skipped_window_is_no_update_for_the_signal():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 6)).astype("float32")
+    y = rng.normal(size=(16, 3)).astype("float32")
+    y[1, 0] = 1e4
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+
+    class Signals(keras.callbacks.Callback):
+        applied = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.applied.append(self.model.update_applied)
+
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0,
+              callbacks=[Signals()])
+    assert model.skipped_windows == 1
+    assert iterations(model) == 1  # the skip, counted as Keras 2 counts it
+    assert Signals.applied == [False, False, False, False]

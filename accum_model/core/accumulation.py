@@ -50,7 +50,8 @@ class Accumulation:
         self.window = None
         self.window_end = None
         self.loss_scaling = None
-        self.update_signal = UpdateSignal()
+        self.update_signal = UpdateSignal(self._updates_applied)
+        self._optimizer = None
         self.checkpoint = None
         self.epoch = 0
         self.weight_from_batch_size = False
@@ -136,6 +137,25 @@ class Accumulation:
         if self.window is None:
             return self.checkpoint.pending_count("skipped_windows")
         return int(self.window.skipped_windows.numpy())
+
+    def watch_updates(self, train_function, optimizer):
+        """`train_function`, noting the updates applied before each run."""
+        self._optimizer = optimizer
+        return self.update_signal.watching(train_function)
+
+    def _updates_applied(self):
+        # Under loss scaling the inner optimizer counts the updates (before
+        # keras 3.9 the outer one keeps a count of its own).
+        optimizer = getattr(self._optimizer, "inner_optimizer",
+                            self._optimizer)
+        updates = tf.cast(tf.convert_to_tensor(optimizer.iterations),
+                          tf.int64)
+        scaling = self.loss_scaling
+        if (scaling is not None and scaling.counts_skipped_steps
+                and self.window is not None):
+            skipped = tf.convert_to_tensor(self.window.skipped_windows)
+            updates = updates - tf.cast(skipped, tf.int64)
+        return updates
 
     def micro_batch_share(self):
         """Float32 scalar: the part of its window one micro-batch is, 1/n.

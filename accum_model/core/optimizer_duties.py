@@ -15,7 +15,10 @@ would, not earlier. Its gradients are unscaled by the inverse.
 Each Keras adapter's `LossScaling` subclasses `OptimizerDuties` and fills in
 its Keras's way of doing each duty, with the same methods: `is_built`,
 `build`, `apply`, `scale_loss`, `unscale_gradients`, `after_update`,
-`after_overflow`, and the class attribute `clips_before_summing_replicas`.
+`after_overflow`, and the class attributes `clips_before_summing_replicas`
+and `counts_skipped_steps` (whether a window skipped for overflow advances
+the optimizer's `iterations`, as that Keras's `LossScaleOptimizer` does for
+a skipped step).
 """
 
 import tensorflow as tf

@@ -7,21 +7,25 @@ class UpdateSignal:
     """Whether the last run of the train function applied an update.
 
     Before each run of the train function (one micro-batch, or
-    `steps_per_execution` of them) the optimizer's update count is copied,
+    `steps_per_execution` of them) the count of applied updates is copied,
     on the device, without waiting for it; `applied()` compares it with the
     count now, so only reading the signal waits for the step to finish.
+
+    Args:
+        count_updates: Callable returning the updates applied so far, as a
+            tensor: the optimizer's `iterations`, less the skipped windows
+            where the Keras counts a skipped step in it (Keras 2).
     """
 
-    def __init__(self):
+    def __init__(self, count_updates):
+        self._count_updates = count_updates
         self._count_before = None
-        self._optimizer = None
 
-    def watching(self, train_function, optimizer):
+    def watching(self, train_function):
         """Wraps `train_function` to note the count before each run."""
 
         def train_function_noting_updates(iterator):
-            self._optimizer = optimizer
-            self._count_before = tf.convert_to_tensor(_updates(optimizer))
+            self._count_before = tf.convert_to_tensor(self._count_updates())
             return train_function(iterator)
 
         return train_function_noting_updates
@@ -29,11 +33,5 @@ class UpdateSignal:
     def applied(self):
         if self._count_before is None:
             return False
-        now = int(tf.convert_to_tensor(_updates(self._optimizer)).numpy())
+        now = int(tf.convert_to_tensor(self._count_updates()).numpy())
         return now > int(self._count_before.numpy())
-
-
-def _updates(optimizer):
-    # Under loss scaling the inner optimizer counts the updates applied
-    # (before keras 3.9 the outer one keeps a count of its own).
-    return getattr(optimizer, "inner_optimizer", optimizer).iterations

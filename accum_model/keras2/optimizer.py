@@ -58,6 +58,10 @@ class LossScaling(OptimizerDuties):
 
     # Keras 2 optimizers sum gradients over replicas, then clip.
     clips_before_summing_replicas = False
+    # Keras 2's LossScaleOptimizer (legacy and new) adds 1 to the inner
+    # optimizer's `iterations` on a skipped step: schedules and Adam's bias
+    # correction move on.
+    counts_skipped_steps = True
 
     def __init__(self, optimizer):
         super().__init__(optimizer, keras.mixed_precision.LossScaleOptimizer)
@@ -93,7 +97,11 @@ class LossScaling(OptimizerDuties):
             state.update([tf.constant(1.0)])
 
     def after_overflow(self):
-        """Halves the scale (not below 1) and restarts the growth period."""
+        """Halves the scale (not below 1), restarts the growth period, and
+        counts the skipped step in `iterations` as Keras 2's
+        `LossScaleOptimizer` does (its `do_not_apply_fn`)."""
+        if self.active:
+            self.update_optimizer.iterations.assign_add(1)
         state = self._dynamic_state()
         if state is not None:
             state.update([tf.constant(float("inf"))])

@@ -32,6 +32,8 @@ class LossScaling(OptimizerDuties):
 
     # Keras 3 optimizers clip each replica's gradients, then sum them.
     clips_before_summing_replicas = True
+    # Keras 3's LossScaleOptimizer leaves `iterations` alone on a skip.
+    counts_skipped_steps = False
 
     def __init__(self, optimizer):
         super().__init__(optimizer, optimizers.LossScaleOptimizer)
