@@ -168,15 +168,27 @@ def check_no_foreign_layers(model):
     """Refuses layers of another Keras inside the model.
 
     Keras 3 does not track the weights of Keras 2 (`tf_keras`) layers, nor
-    Keras 2 those of Keras 3 layers, so they would train nothing.
+    Keras 2 those of Keras 3 layers, so they would train nothing. Found as
+    attributes of any layer, also inside lists, tuples and dicts, and (on
+    Keras 2) applied in a functional graph, where only their variables
+    remain.
     """
+    # Each foreign layer once, by its shortest path (Keras 2 also lists
+    # tracked attributes in containers of its own).
+    shortest = {}
+    for layer in adapter.layers_of(model):
+        for path, item in _attribute_values(layer):
+            if adapter.is_foreign_layer(item):
+                known = shortest.get(id(item), (None, path))[1]
+                shortest[id(item)] = (item, min(known, path, key=len))
     foreign = sorted(
-        f"{name} ({type(item).__module__}.{type(item).__name__})"
-        for layer in adapter.layers_of(model)
-        for name, value in vars(layer).items()
-        for item in (value if isinstance(value, (list, tuple)) else [value])
-        if adapter.is_foreign_layer(item)
-    )
+        f"{path} ({type(item).__module__}.{type(item).__name__})"
+        for item, path in shortest.values()
+    ) + [
+        f"a layer applied in the functional graph (its variables reach "
+        f"{name!r})"
+        for name in adapter.foreign_variables_in_graph(model)
+    ]
     if foreign:
         raise ValueError(
             "The model holds layers of another Keras, whose weights the "
@@ -186,6 +198,28 @@ def check_no_foreign_layers(model):
             "(Keras 3) throughout, or `tf_keras` throughout with "
             "TF_USE_LEGACY_KERAS=1."
         )
+
+
+def _attribute_values(layer, depth=3):
+    """(path, value) for a layer's attributes and what containers hold."""
+    found = []
+
+    def walk(path, value, depth):
+        found.append((path, value))
+        if depth == 0 or isinstance(value, (str, bytes)):
+            return
+        if isinstance(value, dict):
+            items = [(f"{path}[{k!r}]", v) for k, v in value.items()]
+        elif isinstance(value, (list, tuple)):
+            items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+        else:
+            return
+        for item_path, item in items:
+            walk(item_path, item, depth - 1)
+
+    for name, value in vars(layer).items():
+        walk(f"{layer.name}.{name}" if layer.name else name, value, depth)
+    return found
 
 
 def warn_if_train_step_bypasses_window(model_class, base):

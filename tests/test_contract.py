@@ -462,3 +462,31 @@ def test_the_constructor_shows_its_arguments():
                         "accumulator_dtype")] == [
         "n_gradients", "flush_each_epoch", "accumulator_dtype"]
     assert parameters["n_gradients"].default == 1
+
+
+@pytest.mark.parametrize("container", ["dict", "nested_list"])
+def test_keras_2_layers_in_containers_are_refused_by_name(container):
+    tf_keras = pytest.importorskip("tf_keras")
+
+    class Holder(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            legacy = tf_keras.layers.Dense(3)
+            self.parts = ({"legacy": legacy} if container == "dict"
+                          else [[keras.layers.Dense(3), legacy]])
+            self.dense = keras.layers.Dense(3)
+
+        def call(self, inputs):
+            return self.dense(inputs)
+
+    inputs = keras.Input((6,))
+    model = AccumulatingModel(inputs=inputs,
+                              outputs=Holder(name="holder")(inputs),
+                              n_gradients=2)
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = regression_data(samples=16)
+    named = ("holder.parts['legacy']" if container == "dict"
+             else "holder.parts[0][1]")
+    with pytest.raises(ValueError, match="another Keras") as error:
+        model.fit(x, y, batch_size=8, verbose=0)
+    assert named in str(error.value)

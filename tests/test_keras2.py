@@ -970,3 +970,45 @@ def test_a_skipped_window_is_no_update_for_the_signal():
     assert model.skipped_windows == 1
     assert iterations(model) == 1  # the skip, counted as Keras 2 counts it
     assert Signals.applied == [False, False, False, False]
+
+
+def _keras_3_or_skip():
+    other = pytest.importorskip("keras")
+    if other.__version__.startswith("2."):
+        pytest.skip("no Keras 3 in this environment")
+    return other
+
+
+class _Holder(keras.layers.Layer):
+    """A Keras 2 layer holding a Keras 3 layer in a dict attribute."""
+
+    def __init__(self, foreign, **kwargs):
+        super().__init__(**kwargs)
+        self.parts = {"inner": foreign}
+        self.own = keras.layers.Dense(3)
+
+    def call(self, inputs):
+        return self.own(inputs) + self.parts["inner"](inputs)
+
+
+@pytest.mark.parametrize("placement", ["functional_graph", "dict_attribute"])
+def test_keras_3_layers_anywhere_are_refused_by_name(placement):
+    other = _keras_3_or_skip()
+    inputs = keras.Input((6,))
+    if placement == "functional_graph":
+        # Keras 2 turns it into op layers holding its variables.
+        hidden = keras.layers.Dense(8)(inputs)
+        outputs = other.layers.Dense(3, name="foreign")(hidden)
+        named = "tf.nn.bias_add"
+    else:
+        outputs = _Holder(other.layers.Dense(3), name="holder")(inputs)
+        named = "holder.parts['inner']"
+    model = AccumulatingModel(inputs=inputs, outputs=outputs, n_gradients=2)
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = regression_data(samples=16)
+    before = model.get_weights()
+    with pytest.raises(ValueError, match="another Keras") as error:
+        model.fit(x, y, batch_size=4, verbose=0)
+    assert named in str(error.value)
+    assert all(np.array_equal(a, b)
+               for a, b in zip(before, model.get_weights()))

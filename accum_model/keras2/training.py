@@ -17,7 +17,7 @@ from accum_model.keras2.package import keras
 
 __all__ = ["END_OF_DATA_ERRORS", "ModelDifferences", "STEPS_PER_EXECUTION_FIX",
            "check_strategy", "executions_stop_cleanly_at_end_of_data",
-           "is_foreign_layer", "layers_of", "logs_for_reduction",
+           "foreign_variables_in_graph", "is_foreign_layer", "layers_of", "logs_for_reduction",
            "micro_steps_in_epoch", "model_keyword_arguments",
            "steps_per_execution"]
 
@@ -111,6 +111,28 @@ def model_keyword_arguments(functional):
 def layers_of(model):
     """The model and every layer in it (private `Layer._flatten_layers`)."""
     return [model] + list(model._flatten_layers(include_self=False))
+
+
+def foreign_variables_in_graph(model):
+    """Names of graph layers whose arguments hold a Keras 3 variable.
+
+    A Keras 3 layer applied to a Keras 2 symbolic tensor becomes TensorFlow
+    op layers (`tf.linalg.matmul`, `tf.nn.bias_add`, ...) whose node
+    arguments (`Node.call_args`, `call_kwargs`) hold its variables (or
+    constants made of them): Keras 2 trains none of them.
+    """
+    other = sys.modules.get("keras")
+    variable_class = getattr(other, "Variable", None)
+    if other is keras or variable_class is None:
+        return []
+    names = []
+    for layer in layers_of(model):
+        for node in getattr(layer, "inbound_nodes", []):
+            values = tf.nest.flatten((node.call_args, node.call_kwargs))
+            if any(isinstance(v, variable_class) for v in values):
+                names.append(layer.name)
+                break
+    return names
 
 
 def is_foreign_layer(value):

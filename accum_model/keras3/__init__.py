@@ -29,6 +29,7 @@ from accum_model.keras3.training import STEPS_PER_EXECUTION_FIX
 from accum_model.keras3.training import ModelDifferences
 from accum_model.keras3.training import check_strategy
 from accum_model.keras3.training import executions_stop_cleanly_at_end_of_data
+from accum_model.keras3.training import foreign_variables_in_graph
 from accum_model.keras3.training import is_foreign_layer
 from accum_model.keras3.training import layers_of
 from accum_model.keras3.training import logs_for_reduction
@@ -50,6 +51,7 @@ __all__ = [
     "compute_loss",
     "executions_stop_cleanly_at_end_of_data",
     "functional_constructor_signature",
+    "foreign_variables_in_graph",
     "get_keras_mask",
     "is_foreign_layer",
     "keras",
