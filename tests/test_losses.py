@@ -203,7 +203,10 @@ def test_epoch_loss_with_ignored_tokens_is_the_large_batch_loss(
 def test_epoch_loss_of_a_weighted_mean_is_the_large_batch_loss():
     x, y = regression_data(samples=64)
     weights = np.where(np.arange(64) % 16 < 8, 0.1, 3.0).astype("float32")
-    plain, ours = _fit_histories(
-        mlp, keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"),
-        x, y, sample_weight=weights)
+    try:
+        loss = keras.losses.MeanSquaredError(
+            reduction="mean_with_sample_weight")
+    except ValueError:
+        pytest.skip("this Keras has no reduction='mean_with_sample_weight'")
+    plain, ours = _fit_histories(mlp, loss, x, y, sample_weight=weights)
     np.testing.assert_allclose(ours, plain, rtol=1e-5)
