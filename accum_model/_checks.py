@@ -3,8 +3,8 @@
 Made at construction (keyword arguments), when training is set up
 (`fit()`, `make_train_function`: optimizer, strategy, losses, layers,
 overridden methods), and once when the training step is traced (the masked
-activity penalty, which needs the prediction). Functions that ask about the
-model's class take `base`, the accumulating class in its MRO.
+activity penalty, which needs the prediction). The accumulating class in a
+model's MRO is found by `class_tree.accumulating_base`.
 """
 
 import difflib
@@ -69,8 +69,7 @@ def check_strategy(strategy):
         )
 
 
-def check_keyword_arguments(model_class, base, kwargs, functional,
-                            own_arguments):
+def check_keyword_arguments(model_class, kwargs, functional, own_arguments):
     """Refuses keyword arguments that nothing in the model would use.
 
     Keras's functional constructor ignores unknown keywords, so a misspelt
@@ -80,12 +79,13 @@ def check_keyword_arguments(model_class, base, kwargs, functional,
 
     Args:
         model_class: The class being constructed.
-        base: The accumulating class in `model_class`'s MRO.
         kwargs: Keywords AccumulatingModel passes on to the next class.
         functional: Bool. Whether the call builds a functional model.
         own_arguments: AccumulatingModel's own keyword names.
     """
-    if not class_tree.next_init_is_keras_model(model_class, base):
+    if not class_tree.next_init_is_keras_model(
+        model_class, class_tree.accumulating_base(model_class)
+    ):
         return
     allowed = adapter.model_keyword_arguments(functional)
     unknown = [name for name in kwargs if name not in allowed]
@@ -123,7 +123,7 @@ def check_float8_on_one_replica(model):
         )
 
 
-def warn_if_activity_penalty_is_masked(model, base, y_pred):
+def warn_if_activity_penalty_is_masked(model, y_pred):
     """Warns (once) where one micro-batch weight cannot fit every loss term.
 
     With a Keras mask on the output, a micro-batch is weighted by its valid
@@ -131,6 +131,7 @@ def warn_if_activity_penalty_is_masked(model, base, y_pred):
     per-sample penalty, which the large batch weights by samples.
     """
     model_class = type(model)
+    base = class_tree.accumulating_base(model_class)
     if model_class.micro_batch_weight is not base.micro_batch_weight:
         return
     masked = any(
@@ -222,13 +223,14 @@ def _attribute_values(layer, depth=3):
     return found
 
 
-def warn_if_train_step_bypasses_window(model_class, base):
+def warn_if_train_step_bypasses_window(model_class):
     """Warns when an overridden `train_step` never reaches the window.
 
     Such a step usually applies the optimizer itself on every micro-batch,
     which is no accumulation at all. A step that calls
     `accumulate_gradients` or `super().train_step` is fine.
     """
+    base = class_tree.accumulating_base(model_class)
     shadowed = class_tree.overriding_classes(
         model_class, "train_step", start_after=base
     )
@@ -257,7 +259,7 @@ def warn_if_train_step_bypasses_window(model_class, base):
     )
 
 
-def warn_if_loss_divisor_is_unknown(model_class, base):
+def warn_if_loss_divisor_is_unknown(model_class):
     """Returns whether micro-batches must be weighted by their sample count.
 
     True, with a one-time warning, when `compute_loss` is overridden and
@@ -266,6 +268,7 @@ def warn_if_loss_divisor_is_unknown(model_class, base):
     overrides_loss = bool(
         class_tree.overriding_classes(model_class, "compute_loss")
     )
+    base = class_tree.accumulating_base(model_class)
     overrides_weight = model_class.micro_batch_weight is not (
         base.micro_batch_weight
     )
@@ -344,14 +347,13 @@ def warn_if_layers_add_losses(model, warn):
         )
 
 
-def check_ready_to_accumulate(model, requested_class, base):
+def check_ready_to_accumulate(model, requested_class):
     """Raises (or warns) before training if `model` cannot accumulate.
 
     Args:
         model: The model about to train.
         requested_class: The class the user asked for (see
             `_model_classes.requested_class`).
-        base: The accumulating class in `model`'s MRO.
 
     Returns:
         Whether micro-batches are weighted by their number of samples
@@ -367,6 +369,6 @@ def check_ready_to_accumulate(model, requested_class, base):
     warn = model._accumulation.warn_once
     warn_if_batch_statistics_differ(model, warn)
     warn_if_layers_add_losses(model, warn)
-    warn_if_train_step_bypasses_window(type(model), base)
-    return warn_if_loss_divisor_is_unknown(requested_class, base)
+    warn_if_train_step_bypasses_window(type(model))
+    return warn_if_loss_divisor_is_unknown(requested_class)
 

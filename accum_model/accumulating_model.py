@@ -95,7 +95,7 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
                  accumulator_dtype="float32", **kwargs):
         settings = Settings(n_gradients, flush_each_epoch, accumulator_dtype)
         _checks.check_keyword_arguments(
-            type(self), AccumulatingModel, kwargs,
+            type(self), kwargs,
             _model_classes.is_functional_call(args, kwargs),
             own_arguments=Settings.DEFAULTS,
         )
@@ -321,8 +321,7 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
         """Raises (or warns) before training if the set-up cannot accumulate."""
         self._accumulation.weight_from_batch_size = (
             _checks.check_ready_to_accumulate(
-                self, _model_classes.requested_class(type(self)),
-                AccumulatingModel,
+                self, _model_classes.requested_class(type(self))
             )
         )
 
@@ -395,8 +394,7 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
             and not accumulation.weight_from_batch_size
             and divisor.is_summed(reductions)
         )
-        _checks.warn_if_activity_penalty_is_masked(self, AccumulatingModel,
-                                                   y_pred)
+        _checks.warn_if_activity_penalty_is_masked(self, y_pred)
         # The loss in logs is the window's, logged once when it ends.
         accumulation.add_micro_step(gradients, weight, batch_size,
                                     divide_by_weight=not summed, loss=loss)

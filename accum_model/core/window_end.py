@@ -2,8 +2,8 @@
 
 Written once for replica and cross-replica context (see `replicas`). The
 only communication a window costs is here: one small reduction of the
-window's weight, samples and finiteness, and the optimizer's reduction of
-the gradients.
+window's weight, samples, finiteness and loss sum, and the optimizer's
+reduction of the gradients.
 """
 
 import functools
