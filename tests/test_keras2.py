@@ -81,7 +81,7 @@ def fit_both(make_optimizer, x, y, micro_batch=8, n_gradients=4, epochs=2,
              build=mlp, strategy=None, loss="mse", fit_kwargs=None):
     """Plain Keras 2 on batches of n*b; an AccumulatingModel on b."""
     fit_kwargs = fit_kwargs or {}
-    plain = build(keras.Model)
+    plain = _tanh_regression(keras.Model)
     plain.compile(optimizer=make_optimizer(), loss=loss)
     plain.fit(x, y, batch_size=micro_batch * n_gradients, epochs=epochs,
               shuffle=False, verbose=0, **fit_kwargs)
@@ -272,7 +272,7 @@ def _sequential(model_class):
 @pytest.mark.parametrize("build", [mlp, _sequential])
 def test_accumulating_makes_an_existing_model_accumulate(build):
     x, y = regression_data(samples=100)
-    plain = build(keras.Model)
+    plain = _tanh_regression(keras.Model)
     plain.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
     plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     model = accumulating(build(keras.Model), n_gradients=4)
@@ -780,6 +780,15 @@ def test_layers_that_add_losses_are_named():
     assert not [m for m in _fit_user_warnings(quiet, x, y) if "add_loss" in m]
 
 
+def _tanh_regression(model_class, **kwargs):
+    """Dense(16, tanh) + Dense(1): the mixed-precision overflow runs' model."""
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+    return model_class(inputs=inputs, outputs=keras.layers.Dense(1)(hidden),
+                       **kwargs)
+
+
 def test_micro_batches_do_not_overflow_before_the_large_batch():
     # A micro-batch of 8 holding the large target overflows at the default
     # scale when its loss is scaled by the whole scale; the large batch of
@@ -789,20 +798,13 @@ def test_micro_batches_do_not_overflow_before_the_large_batch():
     y = rng.normal(size=(96, 1)).astype("float32")
     y[5, 0] = 12.0
 
-    def build(model_class, **kwargs):
-        keras.utils.set_random_seed(1)
-        inputs = keras.Input((6,))
-        hidden = keras.layers.Dense(16, activation="tanh")(inputs)
-        return model_class(inputs=inputs,
-                           outputs=keras.layers.Dense(1)(hidden), **kwargs)
-
     keras.mixed_precision.set_global_policy("mixed_float16")
-    plain = build(keras.Model)
+    plain = _tanh_regression(keras.Model)
     plain.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     plain.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
-    model = build(AccumulatingModel, n_gradients=4)
+    model = _tanh_regression(AccumulatingModel, n_gradients=4)
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-    model.set_weights(build(keras.Model).get_weights())
+    model.set_weights(_tanh_regression(keras.Model).get_weights())
     model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
     assert iterations(plain) == iterations(model) == 9
     assert model.skipped_windows == 0
@@ -867,13 +869,13 @@ def test_legacy_optimizers_on_one_device_stay_exact():
 def _histories(build, loss, x, y, make_optimizer, micro_batch=8,
                callbacks=None):
     """Epoch losses of plain Keras 2 on 4*b and of windows of 4 x b."""
-    plain = build(keras.Model)
+    plain = _tanh_regression(keras.Model)
     plain.compile(optimizer=make_optimizer(), loss=loss)
     expected = plain.fit(x, y, batch_size=4 * micro_batch, epochs=2,
                          shuffle=False, verbose=0)
-    model = build(AccumulatingModel, n_gradients=4)
+    model = _tanh_regression(AccumulatingModel, n_gradients=4)
     model.compile(optimizer=make_optimizer(), loss=loss)
-    model.set_weights(build(keras.Model).get_weights())
+    model.set_weights(_tanh_regression(keras.Model).get_weights())
     history = model.fit(x, y, batch_size=micro_batch, epochs=2,
                         shuffle=False, verbose=0, callbacks=callbacks)
     assert max_weight_difference(plain, model) <= TOLERANCE
@@ -928,20 +930,13 @@ def test_a_skipped_window_counts_in_iterations_like_a_skipped_step(name):
     y = rng.normal(size=(64, 1)).astype("float32")
     y[5, 0] = 1e4  # overflows the large batch of 16 at the default scale
 
-    def build(model_class, **kwargs):
-        keras.utils.set_random_seed(1)
-        inputs = keras.Input((6,))
-        hidden = keras.layers.Dense(16, activation="tanh")(inputs)
-        return model_class(inputs=inputs,
-                           outputs=keras.layers.Dense(1)(hidden), **kwargs)
-
     keras.mixed_precision.set_global_policy("mixed_float16")
-    plain = build(keras.Model)
+    plain = _tanh_regression(keras.Model)
     plain.compile(optimizer=make_optimizer(), loss="mse")
     plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    model = build(AccumulatingModel, n_gradients=4)
+    model = _tanh_regression(AccumulatingModel, n_gradients=4)
     model.compile(optimizer=make_optimizer(), loss="mse")
-    model.set_weights(build(keras.Model).get_weights())
+    model.set_weights(_tanh_regression(keras.Model).get_weights())
     model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
     assert model.skipped_windows >= 1
     assert iterations(model) == iterations(plain) == 8
