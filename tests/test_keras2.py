@@ -81,7 +81,7 @@ def fit_both(make_optimizer, x, y, micro_batch=8, n_gradients=4, epochs=2,
              build=mlp, strategy=None, loss="mse", fit_kwargs=None):
     """Plain Keras 2 on batches of n*b; an AccumulatingModel on b."""
     fit_kwargs = fit_kwargs or {}
-    plain = _tanh_regression(keras.Model)
+    plain = build(keras.Model)
     plain.compile(optimizer=make_optimizer(), loss=loss)
     plain.fit(x, y, batch_size=micro_batch * n_gradients, epochs=epochs,
               shuffle=False, verbose=0, **fit_kwargs)
@@ -272,7 +272,7 @@ def _sequential(model_class):
 @pytest.mark.parametrize("build", [mlp, _sequential])
 def test_accumulating_makes_an_existing_model_accumulate(build):
     x, y = regression_data(samples=100)
-    plain = _tanh_regression(keras.Model)
+    plain = build(keras.Model)
     plain.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
     plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     model = accumulating(build(keras.Model), n_gradients=4)
@@ -869,13 +869,13 @@ def test_legacy_optimizers_on_one_device_stay_exact():
 def _histories(build, loss, x, y, make_optimizer, micro_batch=8,
                callbacks=None):
     """Epoch losses of plain Keras 2 on 4*b and of windows of 4 x b."""
-    plain = _tanh_regression(keras.Model)
+    plain = build(keras.Model)
     plain.compile(optimizer=make_optimizer(), loss=loss)
     expected = plain.fit(x, y, batch_size=4 * micro_batch, epochs=2,
                          shuffle=False, verbose=0)
-    model = _tanh_regression(AccumulatingModel, n_gradients=4)
+    model = build(AccumulatingModel, n_gradients=4)
     model.compile(optimizer=make_optimizer(), loss=loss)
-    model.set_weights(_tanh_regression(keras.Model).get_weights())
+    model.set_weights(build(keras.Model).get_weights())
     history = model.fit(x, y, batch_size=micro_batch, epochs=2,
                         shuffle=False, verbose=0, callbacks=callbacks)
     assert max_weight_difference(plain, model) <= TOLERANCE
