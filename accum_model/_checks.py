@@ -291,31 +291,63 @@ def warn_if_batch_statistics_differ(model, warn):
     """Warns when a BatchNormalization layer trains on micro-batches.
 
     In training it normalises each micro-batch with that micro-batch's own
-    mean and variance, and moves its moving statistics once per micro-batch
-    from them: neither is what the large batch does. A frozen layer
+    mean and variance, so the gradients are not the large batch's. Where
+    the window takes over its moving statistics (Keras 3's layer, in the
+    built-in training step) those are the large batch's; elsewhere they move
+    once per micro-batch, and the warning says so. A frozen layer
     (`trainable=False`) runs in inference mode and stays exact.
 
     Args:
         model: The model about to train.
         warn: Callable taking a message, warning once per model.
     """
-    training = sorted(
-        layer.name for layer in adapter.layers_of(model)
+    training = [
+        layer for layer in adapter.layers_of(model)
         if layer is not model and layer.trainable and any(
             cls.__name__.startswith("BatchNormalization")
             or cls.__name__ == "SyncBatchNormalization"
             for cls in type(layer).__mro__ if class_tree.is_keras_class(cls)
         )
+    ]
+    if not training:
+        return
+    # A step of the user's own that does not go through the built-in one
+    # runs the forward pass where the window cannot see it.
+    step_names = class_tree.names_used_by_overrides(
+        type(model), "train_step",
+        stop_at=class_tree.accumulating_base(type(model)),
     )
-    if training:
+    own_step = step_names is not None and "train_step" not in step_names
+    pooled = sorted(
+        layer.name for layer in training
+        if adapter.pools_moving_statistics(layer) and not own_step
+    )
+    unpooled = sorted(layer.name for layer in training
+                      if layer.name not in pooled)
+    choices = (
+        "Freeze them (`layer.trainable = False`, as fine-tuning does), use "
+        "GroupNormalization or LayerNormalization, or accept the difference."
+    )
+    if pooled:
         warn(
-            f"BatchNormalization layers {training} train on micro-batches: "
-            "each normalises with its micro-batch's own statistics and "
-            "moves its moving mean and variance once per micro-batch, so "
-            "they are not the large batch's and the window is not exact. "
-            "Freeze them (`layer.trainable = False`, as fine-tuning does), "
-            "use GroupNormalization or LayerNormalization, or accept the "
-            "difference."
+            f"BatchNormalization layers {pooled} train on micro-batches: "
+            "their moving mean and variance are the large batch's (the "
+            "window moves them once, from its pooled statistics), but each "
+            "micro-batch is normalised with its own statistics in the "
+            "forward pass, so the gradients are not the large batch's. "
+            + choices
+        )
+    if unpooled:
+        where = (
+            "a training step of the model's own (`accumulate_gradients`)"
+            if own_step else "this Keras or this layer configuration"
+        )
+        warn(
+            f"BatchNormalization layers {unpooled} train on micro-batches: "
+            "each normalises with its micro-batch's own statistics and, in "
+            f"{where}, moves its moving mean and variance once per "
+            "micro-batch, so they are not the large batch's and the window "
+            "is not exact. " + choices
         )
 
 

@@ -361,7 +361,11 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
             return super().train_step(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
+            # BatchNormalization's moving statistics move once per window,
+            # from the window's pooled moments (see `batch_statistics`).
+            with adapter.recording_batch_statistics(
+                    adapter.layers_of(self)) as statistics:
+                y_pred = self(x, training=True)
             # This replica's own mean loss, never divided by the replicas:
             # the window end divides by the whole window's weight instead.
             with adapter.losses_not_divided_by_replicas(), \
@@ -372,8 +376,10 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
                 )
             self._traced_loss_reductions = reductions
             # Every weight exists now; loss scaling reads the window.
-            accumulation.ensure_state(self.trainable_variables,
-                                      self.distribute_strategy)
+            accumulation.ensure_state(
+                self.trainable_variables, self.distribute_strategy,
+                [record.call for record in statistics],
+            )
             scaled_loss = self.get_scaled_loss(loss)
         window = accumulation.window
         gradients = tape.gradient(scaled_loss, window.trainable_variables)
@@ -397,7 +403,8 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
         _checks.warn_if_activity_penalty_is_masked(self, y_pred)
         # The loss in logs is the window's, logged once when it ends.
         accumulation.add_micro_step(gradients, weight, batch_size,
-                                    divide_by_weight=not summed, loss=loss)
+                                    divide_by_weight=not summed, loss=loss,
+                                    statistics=statistics)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         if accumulation.window_end.checks_finite:
             # An overflow must never pass silently: show the count.

@@ -9,6 +9,7 @@ import numpy as np
 
 from accum_model import AccumulatingModel
 from accum_model import accumulating
+from accum_model._chooser import adapter
 from helpers import regression_data
 
 
@@ -51,6 +52,42 @@ def test_training_batch_normalization_is_named_with_the_choices():
     # Once per model: a second fit() is quiet.
     assert not [m for m in _fit_messages(model, x, y)
                 if "BatchNormalization" in m]
+
+
+def test_the_warning_says_what_the_window_makes_exact():
+    x, y = _images()
+    model = _conv_bn(n_gradients=2)
+    model.compile(optimizer="sgd", loss="mse")
+    [message] = [m for m in _fit_messages(model, x, y)
+                 if "BatchNormalization" in m]
+    if adapter.pools_moving_statistics(model.get_layer("norm")):
+        assert "moving mean and variance are the large batch's" in message
+        assert "gradients are not the large batch's" in message
+    else:
+        assert "once per micro-batch" in message
+
+
+class _OwnCallNorm(keras.layers.BatchNormalization):
+    """A subclass with a `call` of its own: it may move its statistics its
+    own way, so the window leaves them to it."""
+
+    def call(self, inputs, training=None, mask=None):
+        return super().call(inputs, training=training, mask=mask)
+
+
+def test_statistics_the_window_cannot_pool_are_named_apart():
+    x, y = _images()
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6, 6, 2))
+    hidden = keras.layers.Conv2D(4, 3)(inputs)
+    hidden = _OwnCallNorm(name="own_call")(hidden)
+    hidden = keras.layers.GlobalAveragePooling2D()(hidden)
+    model = AccumulatingModel(inputs, keras.layers.Dense(1)(hidden),
+                              n_gradients=2)
+    model.compile(optimizer="sgd", loss="mse")
+    [message] = [m for m in _fit_messages(model, x, y)
+                 if "BatchNormalization" in m]
+    assert "['own_call']" in message and "once per micro-batch" in message
 
 
 def test_frozen_batch_normalization_is_quiet():

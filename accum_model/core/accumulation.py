@@ -198,7 +198,7 @@ class Accumulation:
         if self.window is not None:
             self.window_end = self._make_window_end(self.window)
 
-    def check_window_fits(self, trainable_variables):
+    def check_window_fits(self, trainable_variables, statistics_calls=None):
         """Refuses to forget gradients when the trainable weights changed.
 
         After this error the open window is kept as it was, with the
@@ -206,50 +206,65 @@ class Accumulation:
         applies it to those and lets training go on with the new ones.
         """
         window = self.window
-        if window is None or window.matches(trainable_variables):
+        if window is None:
+            return
+        if statistics_calls is None:
+            # Before tracing, the calls are the window's own until the
+            # forward pass says otherwise.
+            statistics_calls = window.statistics.calls
+        if window.matches(trainable_variables, statistics_calls):
             return
         open_steps = self.open_micro_steps()
         if open_steps:
             raise ValueError(
-                "The model's trainable weights changed while it had "
+                "The model's trainable weights or its training "
+                "BatchNormalization layers changed while it had "
                 f"{window_is_open(open_steps)}, before changing which "
                 "weights are trainable. Received: "
-                f"{len(trainable_variables)} trainable variables, "
-                f"window built for {len(window.trainable_variables)}"
+                f"{len(trainable_variables)} trainable variables and "
+                f"{len(statistics_calls)} normalization calls, window built "
+                f"for {len(window.trainable_variables)} and "
+                f"{len(window.statistics.calls)}"
             )
 
-    def ensure_state(self, trainable_variables, strategy):
+    def ensure_state(self, trainable_variables, strategy,
+                     statistics_calls=()):
         """Creates optimizer and window variables for `trainable_variables`.
 
         Runs in the training step, after the forward pass, because only then
         does every weight exist: a subclassed model creates its weights in
         its first call, and a layer used only in training in its first
-        training call.
+        training call. The forward pass also tells which normalization
+        layers' moving statistics the window pools (`statistics_calls`).
         """
         variables = list(trainable_variables)
+        statistics_calls = list(statistics_calls)
         if not variables:
             # What Keras's own step says; the window then updates nothing.
             warnings.warn("The model does not have any trainable weights.")
         window = self.window
-        if (window is not None and window.matches(variables)
+        if (window is not None
+                and window.matches(variables, statistics_calls)
                 and self.loss_scaling.is_built()):
             return
         replicas.in_cross_replica_context(
-            lambda: self._build_state(variables, strategy)
+            lambda: self._build_state(variables, strategy, statistics_calls)
         )
 
-    def _build_state(self, variables, strategy):
+    def _build_state(self, variables, strategy, statistics_calls):
         with tf.init_scope():
-            self.check_window_fits(variables)
+            self.check_window_fits(variables, statistics_calls)
             if not self.loss_scaling.is_built():
                 with strategy.scope():
                     self.loss_scaling.build(variables)
             window = self.window
-            if window is None or not window.matches(variables):
+            if window is None or not window.matches(variables,
+                                                    statistics_calls):
                 self.window = GradientWindow(
                     variables, strategy, self._epoch_steps,
                     length=self.window_length(),
                     accumulator_dtype=self.settings.dtype,
+                    statistics_calls=statistics_calls,
                 )
                 self.checkpoint.window_built(self.window)
                 self.window_end = self._make_window_end(self.window)
@@ -279,7 +294,7 @@ class Accumulation:
             window.set_length(self.window_length())
 
     def add_micro_step(self, gradients, weight, batch_size,
-                       divide_by_weight=True, loss=None):
+                       divide_by_weight=True, loss=None, statistics=()):
         """Adds one micro-batch's gradients; ends the window when due.
 
         Replica context, inside the training step, after `ensure_state`.
@@ -293,6 +308,8 @@ class Accumulation:
                 the window is then the sum of its micro-batches' gradients.
             loss: Scalar, the micro-batch's unscaled loss, whose window mean
                 is logged when the window ends; None to log nothing.
+            statistics: List of `RecordedStatistics` of the forward pass,
+                one per call given to `ensure_state`.
         """
         window = self.window
         if len(gradients) != len(window.trainable_variables):
@@ -307,7 +324,7 @@ class Accumulation:
             samples, window.strategy,
             exact=not self.settings.flush_each_epoch,
         )
-        window.add(gradients, weight, samples, has_data, loss)
+        window.add(gradients, weight, samples, has_data, loss, statistics)
         window_full = window.is_full()
         epoch_ends = tf.equal(window.steps_left_in_epoch, 0)
         self.window_end.end_if(

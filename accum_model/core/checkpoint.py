@@ -83,6 +83,12 @@ class WindowCheckpoint(SavedInTfCheckpoints):
                  for name in _COUNTERS],
                 np.float64,
             ),
+            # The pooled batch statistics of normalization layers.
+            "statistics": (
+                tf.concat([tf.reshape(s.read_value(), [-1])
+                           for s in window.statistics.sums], 0).numpy()
+                if window.statistics.sums else np.zeros([0], np.float32)
+            ),
         }
 
     def restore_state(self, arrays):
@@ -130,6 +136,7 @@ def _empty_state():
         "sizes": np.zeros([0], np.int64),
         "has_gradient": np.zeros([0], np.int8),
         "counters": np.zeros([len(_COUNTERS)], np.float64),
+        "statistics": np.zeros([0], np.float32),
     }
 
 
@@ -163,6 +170,7 @@ def _write(window, arrays, accumulation):
             f"sizes {sizes}. Load it into a model with the same trainable "
             "weights, or call `model.apply_open_window()` before saving."
         )
+    statistics = _statistics_to_write(window, arrays, counters)
     replicas = strategy.num_replicas_in_sync
     offsets = np.cumsum([0] + sizes)
     with strategy.scope():
@@ -174,10 +182,38 @@ def _write(window, arrays, accumulation):
         for name in _COUNTERS:
             share = counters[name] / replicas if name in _SUMMED else counters[name]
             _assign_share(getattr(window, name), share)
+        for sums, value in zip(window.statistics.sums, statistics):
+            _assign_share(sums, value / replicas)
     window.has_gradient = [
         now or saved for now, saved in zip(window.has_gradient, has_gradient)
     ]
     window.set_length(accumulation.window_length())
+
+
+def _statistics_to_write(window, arrays, counters):
+    """The saved batch statistics, one array per call of the window.
+
+    A window saved without them (by a model whose normalization layers moved
+    their own statistics) has nothing pooled yet: zeros.
+    """
+    shapes = [tuple(s.shape) for s in window.statistics.sums]
+    saved = np.asarray(arrays.get("statistics", np.zeros([0])))
+    expected = sum(int(np.prod(shape)) for shape in shapes)
+    if saved.size == 0 or not counters["micro_steps"]:
+        return [np.zeros(shape, np.float32) for shape in shapes]
+    if saved.size != expected:
+        raise ValueError(
+            "The checkpoint holds the batch statistics of an open window for "
+            f"{saved.size} values, but the model's training "
+            f"BatchNormalization layers need {expected}. Load it into a "
+            "model with the same layers, or call `model.apply_open_window()` "
+            "before saving."
+        )
+    offsets = np.cumsum([0] + [int(np.prod(shape)) for shape in shapes])
+    return [
+        saved[offsets[i]:offsets[i + 1]].reshape(shape)
+        for i, shape in enumerate(shapes)
+    ]
 
 
 def _assign_share(variable, value):

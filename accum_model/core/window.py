@@ -2,6 +2,8 @@
 
 import tensorflow as tf
 
+from accum_model.core.batch_statistics import WindowStatistics
+
 _ON_READ = tf.VariableSynchronization.ON_READ
 
 
@@ -32,10 +34,13 @@ class GradientWindow:
             or -1 when unknown.
         length: Int. Micro steps in a window.
         accumulator_dtype: `tf.DType` the gradients are summed in.
+        statistics_calls: List of `StatisticsCall`: the normalization
+            layers' training-mode calls whose moving statistics the window
+            pools (see `batch_statistics`).
     """
 
     def __init__(self, trainable_variables, strategy, steps_left_in_epoch=-1,
-                 length=1, accumulator_dtype=tf.float32):
+                 length=1, accumulator_dtype=tf.float32, statistics_calls=()):
         self.trainable_variables = list(trainable_variables)
         self.strategy = strategy
         # Which variables received a gradient, learned when the training
@@ -83,6 +88,7 @@ class GradientWindow:
                                        initial=length)
             self.next_length = self._scalar("next_window_length", tf.int64,
                                             initial=length)
+        self.statistics = WindowStatistics(statistics_calls, strategy)
 
     @staticmethod
     def _scalar(name, dtype, aggregation="first", initial=0):
@@ -98,12 +104,12 @@ class GradientWindow:
             name=name,
         )
 
-    def matches(self, trainable_variables):
+    def matches(self, trainable_variables, statistics_calls=()):
         """Whether this window was built for exactly these variables."""
         current = list(trainable_variables)
         return len(current) == len(self.trainable_variables) and all(
             a is b for a, b in zip(current, self.trainable_variables)
-        )
+        ) and self.statistics.matches(statistics_calls)
 
     @property
     def accumulator_bytes(self):
@@ -113,7 +119,8 @@ class GradientWindow:
             for s in self.gradient_sums
         )
 
-    def add(self, gradients, weight, samples, counts, loss=None):
+    def add(self, gradients, weight, samples, counts, loss=None,
+            statistics=()):
         """Adds a micro step to the window (replica context).
 
         Args:
@@ -125,6 +132,8 @@ class GradientWindow:
                 (the micro-batch has data on some replica). Equal on all
                 replicas.
             loss: Scalar, the micro-batch's loss, or None if not tracked.
+            statistics: List of `RecordedStatistics`, one per statistics
+                call of the window.
         """
         # A variable keeps its gradient once any micro step gave it one (in
         # eager mode each step reports its own; a trace reports them all).
@@ -170,6 +179,7 @@ class GradientWindow:
                 tf.equal(weight, 0.0), 0.0, tf.cast(loss, tf.float32) * weight
             ))
         self.sample_sum.assign_add(samples)
+        self.statistics.add(statistics)
         step = tf.cast(counts, tf.int64)
         self.micro_steps.assign_add(step)
         self.steps_left_in_epoch.assign_sub(step)
@@ -226,6 +236,7 @@ class GradientWindow:
         self.weight_sum.assign(0.0)
         self.loss_sum.assign(0.0)
         self.sample_sum.assign(0.0)
+        self.statistics.reset()
         self.micro_steps.assign(0)
         self.length.assign(self.next_length)
         if tf.executing_eagerly():

@@ -2,8 +2,8 @@
 
 Written once for replica and cross-replica context (see `replicas`). The
 only communication a window costs is here: one small reduction of the
-window's weight, samples, finiteness and loss sum, and the optimizer's
-reduction of the gradients.
+window's weight, samples, finiteness, loss sum and pooled batch statistics,
+and the optimizer's reduction of the gradients.
 """
 
 import functools
@@ -76,11 +76,15 @@ class WindowEnd:
         """
         window = self.window
         scaling = self.loss_scaling
+        statistics = window.statistics
         totals = replicas.sum_over_replicas(
-            lambda: tf.stack([
-                window.weight_sum, window.sample_sum,
-                window.local_is_finite(), window.loss_sum,
-            ])
+            lambda: tf.concat([
+                tf.stack([
+                    window.weight_sum, window.sample_sum,
+                    window.local_is_finite(), window.loss_sum,
+                ]),
+                statistics.local_sums(),
+            ], 0)
         )
         total_weight, total_samples = totals[0], totals[1]
         if not self.divide_by_weight:
@@ -114,6 +118,10 @@ class WindowEnd:
                     lambda: self.report_loss(window_loss,
                                              window.sample_sum.value())
                 )
+            # The large batch's forward pass moves the moving statistics
+            # whether or not its update is then skipped for overflow.
+            if statistics.calls:
+                replicas.for_each_replica(statistics.apply, totals[4:])
             update_or_skip()
 
         tf.cond(total_samples > 0, replicas.without_result(report_and_apply),

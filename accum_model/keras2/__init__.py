@@ -17,6 +17,8 @@ from accum_model.keras2.losses import losses_not_divided_by_replicas
 from accum_model.keras2.losses import recording_loss_reductions
 from accum_model.keras2.losses import track_loss
 from accum_model.keras2.optimizer import LossScaling
+from accum_model.keras2.normalization import pools_moving_statistics
+from accum_model.keras2.normalization import recording_batch_statistics
 from accum_model.keras2.optimizer import check_optimizer
 from accum_model.keras2.saving import Functional
 from accum_model.keras2.saving import WindowCheckpoint
@@ -62,6 +64,8 @@ __all__ = [
     "losses_not_divided_by_replicas",
     "micro_steps_in_epoch",
     "model_keyword_arguments",
+    "pools_moving_statistics",
+    "recording_batch_statistics",
     "recording_loss_reductions",
     "register_plain_name",
     "serialize_as",

@@ -1,0 +1,30 @@
+"""BatchNormalization's moving statistics: left to the layer on Keras 2.
+
+Checked on keras 2.13.1, 2.15.0 and tf-keras 2.21.0. Keras 2's
+`BatchNormalization` moves its statistics inside a fused kernel for 4-D
+inputs (with a Bessel-corrected variance) and by other paths otherwise;
+a window does not take them over, so they move once per micro-batch and
+`fit()` warns about every training BatchNormalization layer.
+"""
+
+import contextlib
+
+
+__all__ = ["pools_moving_statistics", "recording_batch_statistics"]
+
+
+def pools_moving_statistics(layer):
+    """Whether a window takes over `layer`'s moving statistics: never."""
+    del layer
+    return False
+
+
+@contextlib.contextmanager
+def recording_batch_statistics(layers):
+    """Records nothing: every layer updates its own statistics.
+
+    Yields:
+        An empty list (the Keras 3 adapter's holds the recorded moments).
+    """
+    del layers
+    yield []

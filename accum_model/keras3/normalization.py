@@ -1,0 +1,179 @@
+"""BatchNormalization's moving statistics, taken over for a window.
+
+Checked on keras 3.6.0, 3.10.0 and 3.15.1. Keras 3's `BatchNormalization`
+(`keras.src.layers.normalization.batch_normalization`), in a training call
+of a trainable layer without `renorm`, takes the batch's moments from its
+private `_moments(inputs, mask)` and then assigns `moving_mean` and
+`moving_variance` once each. During the forward pass of a micro step those
+two assigns are suppressed and the moments recorded, so that the window
+moves the moving statistics once, from its pooled moments (see
+`accum_model.core.batch_statistics`).
+
+A layer whose class overrides `call` may update its statistics otherwise and
+is left alone (`fit()` warns about it like about any layer whose statistics
+are per micro-batch).
+"""
+
+import contextlib
+import threading
+
+import keras
+import tensorflow as tf
+
+from accum_model.core.batch_statistics import RecordedStatistics
+from accum_model.core.batch_statistics import StatisticsCall
+
+
+__all__ = ["pools_moving_statistics", "recording_batch_statistics"]
+
+
+def pools_moving_statistics(layer):
+    """Whether a window takes over `layer`'s moving statistics."""
+    return (
+        isinstance(layer, keras.layers.BatchNormalization)
+        and type(layer).call is keras.layers.BatchNormalization.call
+        and not getattr(layer, "renorm", False)
+        and callable(getattr(layer, "_moments", None))
+    )
+
+
+@contextlib.contextmanager
+def recording_batch_statistics(layers):
+    """Records the moments of `layers`' training calls; suppresses updates.
+
+    Only calls made by the thread that entered the block are recorded and
+    suppressed: MirroredStrategy traces each replica's step in a thread of
+    its own, and their blocks overlap.
+
+    Args:
+        layers: The model's layers (`layers_of`); those that
+            `pools_moving_statistics` are taken over.
+
+    Yields:
+        A list that each training-mode call of such a layer appends its
+        `RecordedStatistics` to, in call order.
+    """
+    recorder = _Recorder()
+    pooled = [layer for layer in layers if pools_moving_statistics(layer)]
+    outer = getattr(_thread, "recorder", None)
+    _thread.recorder = recorder
+    try:
+        for layer in pooled:
+            recorder.hold(layer, "_moments", _recording_moments(layer))
+        yield recorder.records
+    finally:
+        _thread.recorder = outer
+        for obj, name in recorder.held:
+            _release(obj, name)
+
+
+class _Recorder:
+    """What one block records, and the attributes it holds replaced."""
+
+    def __init__(self):
+        self.records = []
+        self.held = []
+        self._held_keys = set()
+
+    def hold(self, obj, name, value):
+        """Replaces `obj.name` by `value` until the block ends (once)."""
+        key = (id(obj), name)
+        if key not in self._held_keys:
+            self._held_keys.add(key)
+            _hold(obj, name, value)
+            self.held.append((obj, name))
+
+
+_thread = threading.local()
+
+
+def _recording_moments(layer):
+    """`layer._moments` that records what it returns for this thread."""
+    original = type(layer)._moments.__get__(layer)
+
+    def moments(inputs, mask):
+        mean, variance = original(inputs, mask)
+        recorder = getattr(_thread, "recorder", None)
+        if recorder is None:
+            return mean, variance
+        for variable in (layer.moving_mean, layer.moving_variance):
+            # The layer assigns both right after: for this thread, nothing.
+            recorder.hold(variable, "assign",
+                          _assign_unless_recording(variable))
+        call = StatisticsCall(layer.moving_mean, layer.moving_variance,
+                              layer.momentum, layer.name)
+        recorder.records.append(RecordedStatistics(
+            call, _element_counts(layer, inputs, mask), mean, variance
+        ))
+        return mean, variance
+
+    return moments
+
+
+def _assign_unless_recording(variable):
+    """`variable.assign` that does nothing where a recording block is open."""
+    original = type(variable).assign.__get__(variable)
+
+    def assign(value, *args, **kwargs):
+        if getattr(_thread, "recorder", None) is not None:
+            return None
+        return original(value, *args, **kwargs)
+
+    return assign
+
+
+def _element_counts(layer, inputs, mask):
+    """Float32 [channels]: the elements each channel's moments cover.
+
+    As `_moments` counts them: every element of the reduced axes, or those
+    its mask (one dimension less than the inputs, broadcast over the last
+    axis) leaves in. Under `synchronized=True` the moments are the global
+    batch's and the count this replica's: summed over replicas, each
+    replica's share weighs the same global moments.
+    """
+    channels = int(layer.moving_mean.shape[0])
+    axes = list(layer._reduction_axes)
+    if mask is None:
+        shape = tf.shape(inputs)
+        count = tf.reduce_prod(tf.gather(shape, axes))
+        return tf.fill([channels], tf.cast(count, tf.float32))
+    weights = tf.broadcast_to(
+        tf.expand_dims(tf.cast(mask, tf.float32), -1), tf.shape(inputs)
+    )
+    return tf.reshape(tf.reduce_sum(weights, axis=axes), [channels])
+
+
+# Attributes replaced in objects' own dicts (writing the dict keeps Keras's
+# attribute tracking out of it), counted by the blocks holding them, so that
+# overlapping blocks of several threads put the original back exactly once.
+_lock = threading.Lock()
+_replaced = {}
+_MISSING = object()
+
+
+def _hold(obj, name, value):
+    with _lock:
+        key = (id(obj), name)
+        entry = _replaced.get(key)
+        if entry is not None:
+            entry["holders"] += 1
+            return
+        attributes = vars(obj)
+        _replaced[key] = {"saved": attributes.get(name, _MISSING),
+                          "holders": 1}
+        attributes[name] = value
+
+
+def _release(obj, name):
+    with _lock:
+        key = (id(obj), name)
+        entry = _replaced[key]
+        entry["holders"] -= 1
+        if entry["holders"]:
+            return
+        del _replaced[key]
+        attributes = vars(obj)
+        if entry["saved"] is _MISSING:
+            attributes.pop(name, None)
+        else:
+            attributes[name] = entry["saved"]
