@@ -62,8 +62,8 @@ def run_worker(args):
 
         keras 3.15.1's `keras.Model.fit` fails under two MWMS workers
         before training (its symbolic build reduces a distributed batch,
-        and its log reduction cannot reduce scalars over workers; see the
-        README). These two work-arounds, the ones AccumulatingModel uses,
+        and its log reduction cannot reduce scalars over workers; see
+        docs/distribution.md). These two work-arounds, the ones AccumulatingModel uses,
         change neither the arithmetic nor the gradient reductions.
         """
 

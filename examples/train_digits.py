@@ -11,11 +11,38 @@ Run: python examples/train_digits.py
 """
 
 import argparse
+import contextlib
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
+
+@contextlib.contextmanager
+def native_start_up_notices_hidden():
+    """Hides what TensorFlow's C++ prints to stderr as it starts.
+
+    Its oneDNN and CUDA notices are written before any log level applies
+    (TF_CPP_MIN_LOG_LEVEL does not reach them); Python errors still show.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+with native_start_up_notices_hidden():
+    import keras  # noqa: E402
+    import tensorflow as tf  # noqa: E402
+
+    tf.config.list_logical_devices()  # device start-up notices
+
 import numpy as np  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 

@@ -83,7 +83,7 @@ TASKS = {
 def _compile(model):
     # Plain SGD: Keras's Adam treats repeated rows of a sparse embedding
     # gradient one at a time, so its large batch is not the reference there
-    # (the README's limits; exactness with Adam is tested on dense models).
+    # (docs/exactness.md; exactness with Adam is tested on dense models).
     model.compile(
         optimizer=keras.optimizers.SGD(0.5),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

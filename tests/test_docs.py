@@ -1,0 +1,102 @@
+"""Every Python block of README.md and docs/ runs, so the docs cannot rot.
+
+A page's blocks run in order, in one fresh process per page. README.md's
+blocks run exactly as written. A page of docs/ starts from `DOCS_PRELUDE`:
+the names its fragments take for granted (`keras`, `tf`, `np`,
+`AccumulatingModel`, `accumulating`, small `x`/`y` data, an `inputs` /
+`outputs` graph and `build_model()`). A block that cannot run here starts
+with `# not run:` and the reason.
+"""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+NOT_RUN = "# not run:"
+
+DOCS_PRELUDE = '''
+import keras
+import numpy as np
+import tensorflow as tf
+
+from accum_model import AccumulatingModel
+from accum_model import accumulating
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(64, 6)).astype("float32")
+y = rng.normal(size=(64, 1)).astype("float32")
+inputs = keras.Input((6,))
+outputs = keras.layers.Dense(1)(keras.layers.Dense(8, activation="relu")(inputs))
+
+
+def build_model(n_gradients=4):
+    model_inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="relu")(model_inputs)
+    return AccumulatingModel(inputs=model_inputs,
+                             outputs=keras.layers.Dense(1)(hidden),
+                             n_gradients=n_gradients)
+'''
+
+
+def python_blocks(page):
+    return re.findall(r"^```python\n(.*?)^```", page.read_text(),
+                      re.S | re.M)
+
+
+def test_every_page_is_found_and_has_blocks_to_run():
+    names = {page.name for page in PAGES}
+    assert {"README.md", "exactness.md", "api.md", "mixed-precision.md",
+            "distribution.md", "checkpoints.md", "keras2.md",
+            "custom-train-step.md", "keras-hub.md", "compatibility.md",
+            "performance.md"} <= names
+    assert python_blocks(ROOT / "README.md")
+
+
+def test_blocks_not_run_say_why():
+    for page in PAGES:
+        for block in python_blocks(page):
+            first = block.splitlines()[0]
+            if first.startswith(NOT_RUN):
+                assert first[len(NOT_RUN):].strip(), (
+                    f"{page.name}: a block marked not run gives no reason"
+                )
+
+
+@pytest.mark.parametrize(
+    "page", [p for p in PAGES if python_blocks(p)], ids=lambda p: p.name
+)
+def test_page_blocks_run(page, tmp_path):
+    blocks = [b for b in python_blocks(page)
+              if not b.startswith(NOT_RUN)]
+    if not blocks:
+        pytest.skip("every block is marked not run")
+    code = "\n".join(blocks)
+    if "keras_hub" in code:
+        pytest.importorskip("keras_hub")
+    if page.parent.name == "docs":
+        code = DOCS_PRELUDE + "\n" + code
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+        text=True, timeout=600,
+    )
+    assert result.returncode == 0, (
+        f"{page.name}'s code blocks failed:\n{result.stderr[-3000:]}"
+    )
+    if page.name == "README.md":
+        # The first example prints what the README shows after it.
+        shown = re.search(r"```python\n.*?```\n\n```text\n(.*?)```",
+                          page.read_text(), re.S).group(1)
+        for line in shown.splitlines():
+            label = line.split(":")[0]
+            printed = [p for p in result.stdout.splitlines()
+                       if p.startswith(label + ":")]
+            assert printed, f"README shows {line!r}; the run printed none"
+            if label == "updates":
+                assert printed[0] == line
+            else:
+                assert float(printed[0].split(":")[1]) <= 1e-6
