@@ -57,6 +57,11 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
     `train_step` hands each micro-batch's gradients to
     `accumulate_gradients`.
 
+    On Keras 3, a training `BatchNormalization` layer's moving mean and
+    variance move once per window, from the window's pooled statistics, as
+    the large batch's would; its forward pass still normalises each
+    micro-batch with that micro-batch's own statistics (`fit()` warns).
+
     Under mixed precision (`LossScaleOptimizer`), each micro step scales its
     loss with `get_scaled_loss` (by the dynamic scale over the window's
     length, so that it overflows where the large batch would) and unscales

@@ -17,6 +17,7 @@ device's name.
 """
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -348,6 +349,7 @@ def report(results, out):
         "",
         f"Machine: {results['machine']}",
         f"Command: `{results['command']}`",
+        f"Date: {results.get('date', 'not recorded')}",
         "",
         f"## Time per micro-batch (b={MICRO_BATCH}, n_gradients="
         f"{N_GRADIENTS}, Adam)",
@@ -383,18 +385,28 @@ def report(results, out):
     for label, r in results["memory"].items():
         lines.append(f"| {label} | {r['peak_mib']:.0f} | "
                      f"{r['accumulator_mib']:.2f} |")
+    fit = results["window_cost"]["fit"]
     lines += ["", "## Cost of one window against n_gradients (CNN)", "",
+              "Medians over rounds; the last column is the straight-line fit "
+              "of the window time, window = update + n x micro-batch.", "",
               "| n_gradients | ms per micro-batch | ms per window | "
-              "ms per update (estimate) |", "|---|---|---|---|"]
+              "fit (ms) |", "|---|---|---|---|"]
     for n, r in results["window_cost"].items():
         if n == "fit":
             continue
+        fitted = fit["ms_per_update"] + int(n) * fit["ms_per_micro_step"]
         lines.append(f"| {n} | {r['ms_per_micro_batch']:.2f} | "
-                     f"{r['ms_per_window']:.2f} | "
-                     f"{r['ms_apply_estimate']:.2f} |")
-    fit = results["window_cost"]["fit"]
+                     f"{r['ms_per_window']:.2f} | {fitted:.2f} |")
+    residuals = [
+        r["ms_per_window"] - fit["ms_per_update"]
+        - int(n) * fit["ms_per_micro_step"]
+        for n, r in results["window_cost"].items() if n != "fit"
+    ]
     lines += ["", f"Straight-line fit: window = {fit['ms_per_update']:.2f} ms"
-              f" + n x {fit['ms_per_micro_step']:.2f} ms.", ""]
+              f" + n x {fit['ms_per_micro_step']:.2f} ms; the windows lie "
+              f"within {max(abs(r) for r in residuals):.2f} ms of it, so "
+              "the update's own cost (the intercept) is known only to about "
+              "that.", ""]
     text = "\n".join(lines)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text)
@@ -410,7 +422,7 @@ def plot(results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.8))
     names = list(results["overhead"])
     bars = [("ratio_vs_keras", "accum_model vs keras"),
             ("ratio_vs_keras_accumulation",
@@ -429,21 +441,28 @@ def plot(results, path):
                  label=label)
     left.axhline(1.0, color="black", linewidth=0.8)
     left.set_xticks(range(len(names)), names)
-    left.set_ylabel("time per micro-batch, ratio")
-    left.set_title("time per micro-batch (median, quartiles)")
-    left.set_ylim(0.6, 1.2)
-    left.legend(fontsize=7, loc="lower center")
+    left.set_ylabel("ratio of times per micro-batch (1 = as fast)")
+    left.set_title("time per micro-batch, median and quartiles")
+    left.set_ylim(0.0, 1.3)  # the whole axis, from zero
+    left.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08),
+                ncol=1, frameon=False)
     cost = {int(k): v for k, v in results["window_cost"].items()
             if k != "fit"}
+    fit = results["window_cost"]["fit"]
     ns = sorted(cost)
-    right.plot(ns, [cost[n]["ms_per_window"] for n in ns], "o-",
-               label="ms per window")
-    right.plot(ns, [cost[n]["ms_apply_estimate"] for n in ns], "s--",
-               label="ms per update (estimate)")
-    right.set_xscale("log", base=2)
-    right.set_xlabel("n_gradients")
-    right.set_title("CNN: cost of one window")
-    right.legend(fontsize=8)
+    right.plot(ns, [cost[n]["ms_per_window"] for n in ns], "o",
+               label="measured (median)")
+    right.plot([0] + ns, [fit["ms_per_update"] + n * fit["ms_per_micro_step"]
+                          for n in [0] + ns], "-", linewidth=1,
+               label=f"fit: {fit['ms_per_update']:.2f} ms + n x "
+                     f"{fit['ms_per_micro_step']:.2f} ms")
+    right.set_xlim(0, max(ns) + 1)
+    right.set_ylim(0, None)
+    right.set_xticks(ns)
+    right.set_xlabel("n_gradients (micro-batches per window)")
+    right.set_ylabel("time per window (ms)")
+    right.set_title("CNN: a window costs its micro-batches")
+    right.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -470,7 +489,14 @@ def main():
     parser.add_argument("--gpu-n-gradients", type=int, default=4)
     parser.add_argument("--gpu-image-size", type=int, default=224)
     parser.add_argument("--gpu-child", help=argparse.SUPPRESS)
+    parser.add_argument("--replot", action="store_true",
+                        help="rewrite results.md and results.png from "
+                             "results.json, without measuring")
     args = parser.parse_args()
+    if args.replot:
+        with open(os.path.join(args.out, "results.json")) as f:
+            report(json.load(f), args.out)
+        return
     if args.gpu_child:
         gpu_child(args.gpu_child)
         return
@@ -509,6 +535,7 @@ def main():
         "command": "python " + " ".join(
             [os.path.relpath(__file__)] + sys.argv[1:]
         ),
+        "date": datetime.date.today().isoformat(),
         "overhead": {},
     }
     for name in args.models:
