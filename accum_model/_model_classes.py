@@ -75,24 +75,29 @@ def functional_variant(cls):
 
 
 def with_settings_for_clones(cls, settings):
-    """Returns a subclass of the functional `cls` that defaults to `settings`.
+    """Returns a subclass of the functional `cls` that clones with `settings`.
 
     `keras.models.clone_model` rebuilds a functional model as
     `type(model)(inputs, outputs, name=...)`, which would forget the
-    accumulation settings. Instances are given this subclass, whose
-    constructor fills in the settings the clone did not pass. Only done for
-    classes that Keras clones through their constructor.
+    accumulation settings. Instances are given this subclass. Where `cls`
+    clones through its constructor, the subclass's constructor fills in the
+    settings the clone did not pass. Where it does not (a keras-hub task
+    takes a backbone, not inputs and outputs), plain Keras's clone is a
+    plain functional model; this subclass makes it a functional
+    `AccumulatingModel` with the same settings instead of failing.
     """
     while cls.__dict__.get("_accum_model_bound_settings"):
         cls = cls.__bases__[0]  # Settings bound before: replaced, not added.
     requested = requested_class(cls)
-    if not settings or not adapter.clones_through_constructor(
-        requested, class_tree.accumulating_base(requested)
-    ):
+    base = class_tree.accumulating_base(requested)
+    through_constructor = adapter.clones_through_constructor(requested, base)
+    if through_constructor and not settings:
         return cls
     key = (cls, repr(sorted(settings.items())))
     bound = _settings_bound_variants.get(key)
-    if bound is None:
+    if bound is not None:
+        return bound
+    if through_constructor:
 
         def __init__(self, *args, **kwargs):
             for name, value in settings.items():
@@ -102,8 +107,20 @@ def with_settings_for_clones(cls, settings):
         bound = subclass_like(cls, (cls,), namespace={
             "__init__": __init__, "_accum_model_bound_settings": True,
         })
-        claim_functional_constructor(bound, requested_class(cls), __init__)
-        _settings_bound_variants[key] = bound
+        claim_functional_constructor(bound, requested, __init__)
+    else:
+
+        def __new__(klass, *args, **kwargs):
+            if is_functional_call(args, kwargs):
+                # Python skips `__init__` for an object of another class:
+                # this one is built whole here.
+                return base(*args, **{**settings, **kwargs})
+            return super(bound, klass).__new__(klass, *args, **kwargs)
+
+        bound = subclass_like(cls, (cls,), namespace={
+            "__new__": __new__, "_accum_model_bound_settings": True,
+        })
+    _settings_bound_variants[key] = bound
     return bound
 
 

@@ -158,6 +158,14 @@ class SavedGPT2(AccumulatingModel, keras_hub.models.GPT2CausalLM):
         super().__init__(*args, n_gradients=n_gradients, **kwargs)
 
 
+def _round_trip(model, how, path):
+    if how == "keras_file":
+        model.save(path / "task.keras")
+        return keras.models.load_model(path / "task.keras")
+    model.save_to_preset(str(path / "preset"))
+    return SavedGPT2.from_preset(str(path / "preset"))
+
+
 @pytest.mark.parametrize("round_trip", ["keras_file", "preset"])
 def test_accumulating_task_saves_and_loads(round_trip, tmp_path):
     # keras-hub's `Task.from_config(cls, config)` takes no custom_objects.
@@ -167,14 +175,53 @@ def test_accumulating_task_saves_and_loads(round_trip, tmp_path):
                   loss=keras.losses.SparseCategoricalCrossentropy(
                       from_logits=True))
     model.fit(x, y, sample_weight=weights, batch_size=2, epochs=1, verbose=0)
-    if round_trip == "keras_file":
-        model.save(tmp_path / "task.keras")
-        loaded = keras.models.load_model(tmp_path / "task.keras")
-    else:
-        model.save_to_preset(str(tmp_path / "preset"))
-        loaded = SavedGPT2.from_preset(str(tmp_path / "preset"))
+    loaded = _round_trip(model, round_trip, tmp_path)
     # The task is functional: its class is SavedGPT2's functional variant.
     assert isinstance(loaded, SavedGPT2)
     assert type(loaded).__name__ == "SavedGPT2"
     assert (loaded.n_gradients, loaded.flush_each_epoch) == (4, False)
     assert max_weight_difference(model, loaded) == 0.0
+    # Training goes on like plain Keras's large batch from the loaded
+    # weights. Compiled again: a preset holds no optimizer, and keras-hub
+    # compiles a task loaded from a .keras file with its default optimizer
+    # (Adam, for plain tasks too) whatever it was saved with.
+    reference = _causal_lm(keras_hub.models.GPT2CausalLM)
+    reference.set_weights(loaded.get_weights())
+    for each in (loaded, reference):
+        each.compile(optimizer="sgd",
+                     loss=keras.losses.SparseCategoricalCrossentropy(
+                         from_logits=True))
+    loaded.fit(x, y, sample_weight=weights, batch_size=2, epochs=1,
+               shuffle=False, verbose=0)
+    reference.fit(x, y, sample_weight=weights, batch_size=8, epochs=1,
+                  shuffle=False, verbose=0)
+    assert max_weight_difference(loaded, reference) <= 1e-6
+    assert max_weight_difference(loaded, model) > 1e-4  # it trained
+
+
+@pytest.mark.parametrize("use", ["mixin", "accumulating"])
+def test_clone_of_an_accumulating_task_accumulates_alike(use):
+    # Keras clones a task through `type(task)(inputs, outputs, name=...)`,
+    # which a task's constructor cannot take; plain Keras's clone of a task
+    # is a plain functional model. The accumulating task's clone is a
+    # functional AccumulatingModel with the task's settings, and trains like
+    # it. (The classifier: Keras's clone of the causal LM unties its tied
+    # embeddings, for plain Keras too, so that clone is another model.)
+    make, task_class, mixin_class, data = TASKS["classifier"]
+    if use == "mixin":
+        task = make(mixin_class, n_gradients=4, flush_each_epoch=False)
+    else:
+        task = accumulating(make(task_class), n_gradients=4,
+                            flush_each_epoch=False)
+    clone = keras.models.clone_model(task)
+    assert isinstance(clone, AccumulatingModel)
+    assert (clone.n_gradients, clone.flush_each_epoch) == (4, False)
+    clone.set_weights(task.get_weights())
+    x, y, _ = data(samples=32)
+    for model in (task, clone):
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(
+                          from_logits=True))
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert iterations(task) == iterations(clone) == 2
+    assert max_weight_difference(task, clone) <= 1e-6
