@@ -4,8 +4,33 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import keras  # noqa: E402
+from importlib import metadata  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+def _installed(distribution):
+    try:
+        metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+# Two TensorFlow distributions in one environment overwrite each other's
+# files: the suite would test a mixture. The test extra installs
+# `tensorflow`; say so before anything imports it.
+_TENSORFLOWS = [d for d in ("tensorflow", "tensorflow-cpu", "tensorflow-gpu")
+                if _installed(d)]
+if len(_TENSORFLOWS) > 1:
+    raise pytest.UsageError(
+        f"This environment holds several TensorFlow distributions "
+        f"({', '.join(_TENSORFLOWS)}). Run the tests in a fresh virtual "
+        "environment: python -m venv venv && . venv/bin/activate && "
+        "python -m pip install -e \".[test]\" && python -m pytest"
+    )
+
+import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 # Distribution tests need two replicas; the split must happen before

@@ -90,3 +90,25 @@ def test_windows_carried_over_epochs_count_micro_steps_with_one_scalar(
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     counts = _collective_reductions(_traced_step(model, two_replicas, x, y), 2)
     assert counts == {"every_step": 1, "conditional": 2}
+
+
+def test_batch_statistics_ride_in_the_window_reduction(two_replicas):
+    # A training BatchNormalization adds its pooled statistics to the
+    # window's one small reduction: still nothing per micro step, and as
+    # many reductions per window as without it.
+    x, y = regression_data(samples=64)
+
+    def build():
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((6,))
+        hidden = keras.layers.Dense(8)(inputs)
+        hidden = keras.layers.BatchNormalization()(hidden)
+        return AccumulatingModel(inputs, keras.layers.Dense(3)(hidden),
+                                 n_gradients=4)
+
+    with two_replicas.scope():
+        model = build()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    counts = _collective_reductions(_traced_step(model, two_replicas, x, y),
+                                    2)
+    assert counts == {"every_step": 0, "conditional": 2}
