@@ -9,25 +9,28 @@ from importlib import metadata  # noqa: E402
 import pytest  # noqa: E402
 
 
-def _installed(distribution):
+def _version(distribution):
     try:
-        metadata.version(distribution)
+        return metadata.version(distribution)
     except metadata.PackageNotFoundError:
-        return False
-    return True
+        return None
 
 
-# Two TensorFlow distributions in one environment overwrite each other's
-# files: the suite would test a mixture. The test extra installs
-# `tensorflow`; say so before anything imports it.
-_TENSORFLOWS = [d for d in ("tensorflow", "tensorflow-cpu", "tensorflow-gpu")
-                if _installed(d)]
-if len(_TENSORFLOWS) > 1:
+# TensorFlow distributions install the same `tensorflow` package, each
+# overwriting the other's files: of one version that is harmless (tf-keras
+# pulls in `tensorflow` next to a `tensorflow-cpu` of its version), of two
+# versions the suite would test a mixture. Say so before importing it.
+_TENSORFLOWS = {d: _version(d)
+                for d in ("tensorflow", "tensorflow-cpu", "tensorflow-gpu")}
+_TENSORFLOWS = {d: v for d, v in _TENSORFLOWS.items() if v is not None}
+if len(set(_TENSORFLOWS.values())) > 1:
     raise pytest.UsageError(
-        f"This environment holds several TensorFlow distributions "
-        f"({', '.join(_TENSORFLOWS)}). Run the tests in a fresh virtual "
-        "environment: python -m venv venv && . venv/bin/activate && "
-        "python -m pip install -e \".[test]\" && python -m pytest"
+        "This environment mixes TensorFlow distributions of different "
+        "versions ("
+        + ", ".join(f"{d}=={v}" for d, v in sorted(_TENSORFLOWS.items()))
+        + "). Run the tests in a fresh virtual environment: python -m venv "
+        "venv && . venv/bin/activate && python -m pip install -e \".[test]\" "
+        "&& python -m pytest"
     )
 
 import keras  # noqa: E402
