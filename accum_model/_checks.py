@@ -318,12 +318,11 @@ def warn_if_batch_statistics_differ(model, warn):
         stop_at=class_tree.accumulating_base(type(model)),
     )
     own_step = step_names is not None and "train_step" not in step_names
-    pooled = sorted(
-        layer.name for layer in training
-        if adapter.pools_moving_statistics(layer) and not own_step
-    )
-    unpooled = sorted(layer.name for layer in training
-                      if layer.name not in pooled)
+    pooled, unpooled = [], []
+    for layer in training:
+        pools = not own_step and adapter.pools_moving_statistics(layer)
+        (pooled if pools else unpooled).append(layer.name)
+    pooled, unpooled = sorted(pooled), sorted(unpooled)
     choices = (
         "Freeze them (`layer.trainable = False`, as fine-tuning does), use "
         "GroupNormalization or LayerNormalization, or accept the difference."

@@ -28,7 +28,7 @@ class StatisticsCall:
             `assign`).
         variance_variable: The layer's moving variance.
         momentum: Float. The layer's momentum.
-        name: Str. The layer's name, for variable names and messages.
+        name: Str. The layer's name, for the window's variable names.
     """
 
     def __init__(self, mean_variable, variance_variable, momentum, name):
@@ -83,9 +83,9 @@ class WindowStatistics:
                     trainable=False,
                     synchronization=_ON_READ,
                     aggregation=tf.VariableAggregation.SUM,
-                    name=f"window_statistics_{index}",
+                    name=f"window_statistics_{call.name}",
                 )
-                for index, call in enumerate(self.calls)
+                for call in self.calls
             ]
 
     def matches(self, calls):
@@ -93,11 +93,6 @@ class WindowStatistics:
         return len(calls) == len(self.calls) and all(
             a.is_same_as(b) for a, b in zip(calls, self.calls)
         )
-
-    @property
-    def size(self):
-        """Int. Floats one replica's sums hold."""
-        return sum(3 * call.channels for call in self.calls)
 
     def add(self, recorded):
         """Adds a micro-batch's statistics (replica context).
