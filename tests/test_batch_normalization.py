@@ -234,3 +234,23 @@ def test_frozen_batch_normalization_stays_exact_and_still():
                                           learning_rate=0.05)
     assert max_difference(plain.get_weights(), model.get_weights()) <= 1e-5
     assert max_difference(statistics(model), [np.zeros(4), np.ones(4)]) == 0
+
+
+def test_a_window_saved_without_statistics_says_what_it_misses():
+    # A checkpoint's open window saved by a model whose layers moved their
+    # own statistics (no "statistics" entry) cannot give the window the
+    # moments of its first micro-batches: resuming says so.
+    x, y = image_data(16)
+    model = conv_bn(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    model.train_on_batch(x[:4], y[:4])
+    saved = model._accumulation.checkpoint.saved_state()
+    assert saved["statistics"].size == 3 * 4  # count, sum, squares x 4
+    del saved["statistics"]
+    resumed = conv_bn(AccumulatingModel, n_gradients=4)
+    resumed.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    resumed.train_on_batch(x[:4], y[:4])
+    resumed.apply_open_window()
+    with pytest.warns(UserWarning, match="no BatchNormalization statistics"):
+        resumed._accumulation.checkpoint.restore_state(saved)
+    assert resumed._accumulation.open_micro_steps() == 1

@@ -15,6 +15,7 @@ window (the usual build, compile, `load_weights` order) waits and is written
 into the window when training builds it.
 """
 
+import warnings
 import weakref
 
 import numpy as np
@@ -194,12 +195,24 @@ def _statistics_to_write(window, arrays, counters):
     """The saved batch statistics, one array per call of the window.
 
     A window saved without them (by a model whose normalization layers moved
-    their own statistics) has nothing pooled yet: zeros.
+    their own statistics) has nothing pooled yet: zeros, and a warning when
+    it holds micro-batches whose statistics the window then misses.
     """
     shapes = [tuple(s.shape) for s in window.statistics.sums]
     saved = np.asarray(arrays.get("statistics", np.zeros([0])))
     expected = sum(int(np.prod(shape)) for shape in shapes)
     if saved.size == 0 or not counters["micro_steps"]:
+        if expected and counters["micro_steps"]:
+            warnings.warn(
+                "The checkpoint's open window holds "
+                f"{int(counters['micro_steps'])} micro-batches but no "
+                "BatchNormalization statistics for them (it was saved by a "
+                "model whose layers moved their own): this window's moving "
+                "statistics come from the micro-batches after the resume "
+                "only. Call `model.apply_open_window()` before saving to "
+                "keep every window whole.",
+                stacklevel=2,
+            )
         return [np.zeros(shape, np.float32) for shape in shapes]
     if saved.size != expected:
         raise ValueError(
