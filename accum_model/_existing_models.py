@@ -11,7 +11,7 @@ _accumulating_classes = {}
 
 
 def accumulating(model, n_gradients, flush_each_epoch=True,
-                 accumulator_dtype="float32"):
+                 accumulator_dtype="float32", measure_noise_scale=False):
     """Makes an existing Keras model accumulate gradients.
 
     The model itself is changed and returned: its class becomes a subclass
@@ -31,6 +31,7 @@ def accumulating(model, n_gradients, flush_each_epoch=True,
             schedule `{epoch: n}`. See `AccumulatingModel`.
         flush_each_epoch: Bool. See `AccumulatingModel`.
         accumulator_dtype: See `AccumulatingModel`.
+        measure_noise_scale: Bool. See `AccumulatingModel`.
 
     Returns:
         `model`, now an instance of `AccumulatingModel` as well.
@@ -39,7 +40,8 @@ def accumulating(model, n_gradients, flush_each_epoch=True,
         ValueError: `model` already accumulates with other settings, or has
             a window open.
     """
-    settings = Settings(n_gradients, flush_each_epoch, accumulator_dtype)
+    settings = Settings(n_gradients, flush_each_epoch, accumulator_dtype,
+                        measure_noise_scale)
     if not isinstance(model, keras.Model):
         raise ValueError(
             "`accumulating` takes a model of the Keras behind `tf.keras` in "

@@ -14,7 +14,7 @@ class WindowCallback(keras.callbacks.Callback):
     `on_epoch_end`, when `flush_each_epoch` is set, the epoch is the last,
     or training stops. Writes `skipped_windows` into the epoch's logs after
     such an application, so an overflow skipped there shows in the progress
-    bar and the history.
+    bar and the history, and the epoch's `noise_scale` when it is measured.
 
     Args:
         accumulating_model: The `AccumulatingModel` being fitted.
@@ -88,6 +88,7 @@ class WindowCallback(keras.callbacks.Callback):
         if self.apply_if_epoch_ends_window():
             self.log_window_loss(logs)
         self.log_skipped_windows(logs)
+        self.log_noise_scale(logs)
 
     def on_train_end(self, logs=None):
         self.accumulating_model.apply_open_window()
@@ -112,6 +113,11 @@ class WindowCallback(keras.callbacks.Callback):
         loss = adapter.logged_loss(self.accumulating_model)
         if logs is not None and "loss" in logs and loss is not None:
             logs["loss"] = loss
+
+    def log_noise_scale(self, logs):
+        noise_scale = self.accumulating_model._accumulation.noise_scale()
+        if logs is not None and noise_scale is not None:
+            logs["noise_scale"] = noise_scale
 
     def log_skipped_windows(self, logs):
         model = self.accumulating_model
@@ -139,3 +145,4 @@ class _StoppedWindowCallback(keras.callbacks.Callback):
             model.apply_open_window()
             window_callback.log_window_loss(logs)
             window_callback.log_skipped_windows(logs)
+            window_callback.log_noise_scale(logs)

@@ -85,6 +85,14 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
             accumulators' memory at a cost in exactness. A window whose
             narrow sum overflowed is skipped and counted in
             `skipped_windows`.
+        measure_noise_scale: Bool, default False. Whether each epoch's logs
+            (the progress bar, `History`, `CSVLogger`, `TensorBoard`) carry
+            `noise_scale`: the gradient noise scale B_noise, in samples (in
+            the unit of the micro-batch weight: valid tokens for a masked
+            loss), measured from the windows' micro-batch gradients at the
+            cost of one squared norm per micro-batch. Training batches far
+            above it mostly waste compute. Needs windows of 2 or more
+            micro-batches; an epoch with none carries no `noise_scale`.
         **kwargs: Passed to `keras.Model`.
     """
 
@@ -97,8 +105,10 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
                                **kwargs)
 
     def __init__(self, *args, n_gradients=1, flush_each_epoch=True,
-                 accumulator_dtype="float32", **kwargs):
-        settings = Settings(n_gradients, flush_each_epoch, accumulator_dtype)
+                 accumulator_dtype="float32", measure_noise_scale=False,
+                 **kwargs):
+        settings = Settings(n_gradients, flush_each_epoch, accumulator_dtype,
+                            measure_noise_scale)
         _checks.check_keyword_arguments(
             type(self), kwargs,
             _model_classes.is_functional_call(args, kwargs),
@@ -199,6 +209,18 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
     def accumulator_dtype(self):
         """Str. The dtype the gradients are summed in."""
         return self._accumulation.settings.accumulator_dtype
+
+    @property
+    def measure_noise_scale(self):
+        """Bool. Whether epochs log the gradient noise scale, `noise_scale`.
+
+        May be set between `fit()` calls while no window is open.
+        """
+        return self._accumulation.settings.measure_noise_scale
+
+    @measure_noise_scale.setter
+    def measure_noise_scale(self, value):
+        self._accumulate_with(self._settings_with(measure_noise_scale=value))
 
     # Public state ----------------------------------------------------------
 

@@ -6,6 +6,9 @@ plain `keras.Model` on batches of 64. Accumulation promises that the two end
 up with the same weights, to float32 rounding. The script prints how far
 apart they are, next to how far plain Keras drifts from itself when the same
 large batches run through other kernels (XLA): that is the rounding floor.
+The accumulating model also measures the gradient noise scale
+(`measure_noise_scale=True`, which changes no weight) and prints it per
+epoch next to its window of 64 samples.
 
 Run: python examples/train_digits.py
 """
@@ -79,8 +82,11 @@ class UpdateCounter(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         updates = int(self.model.optimizer.iterations.numpy()) - self.start
-        print(f"  epoch {epoch + 1}: {updates} optimizer updates, "
-              f"val_accuracy={logs['val_accuracy']:.3f}")
+        line = (f"  epoch {epoch + 1}: {updates} optimizer updates, "
+                f"val_accuracy={logs['val_accuracy']:.3f}")
+        if "noise_scale" in logs:
+            line += f", noise_scale={logs['noise_scale']:.0f} samples"
+        print(line)
 
 
 def max_weight_difference(model_a, model_b):
@@ -94,7 +100,8 @@ def main(epochs=5, micro_batch=16, n_gradients=4):
     (x_train, y_train), validation = load_data()
     keras.utils.set_random_seed(0)
 
-    accumulating = build_cnn(AccumulatingModel, n_gradients=n_gradients)
+    accumulating = build_cnn(AccumulatingModel, n_gradients=n_gradients,
+                             measure_noise_scale=n_gradients > 1)
     plain = build_cnn(keras.Model)
     plain_xla = build_cnn(keras.Model)
     for model in (plain, plain_xla):

@@ -112,3 +112,16 @@ def test_batch_statistics_ride_in_the_window_reduction(two_replicas):
     counts = _collective_reductions(_traced_step(model, two_replicas, x, y),
                                     2)
     assert counts == {"every_step": 0, "conditional": 2}
+
+
+def test_noise_scale_rides_in_the_window_reduction(two_replicas):
+    # Measuring the noise scale adds three scalars per replica to the
+    # window's one small reduction, and no reduction anywhere.
+    x, y = regression_data(samples=64)
+    with two_replicas.scope():
+        model = mlp(AccumulatingModel, n_gradients=4,
+                    measure_noise_scale=True)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    counts = _collective_reductions(_traced_step(model, two_replicas, x, y),
+                                    2)
+    assert counts == {"every_step": 0, "conditional": 2}

@@ -1007,3 +1007,25 @@ def test_keras_3_layers_anywhere_are_refused_by_name(placement):
     assert named in str(error.value)
     assert all(np.array_equal(a, b)
                for a, b in zip(before, model.get_weights()))
+
+
+def test_noise_scale_is_the_data_sets():
+    # Closed form (see tests/test_noise_scale.py): linear regression at
+    # kernel and bias 0, learning rate 0, every sample's gradient in numpy.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8192, 4)).astype("float32")
+    y = (x @ np.array([1.0, -0.5, 0.8, 0.3], np.float32)
+         + 2.0 * rng.normal(size=8192)).astype("float32")[:, None]
+    residual = -y[:, 0].astype(np.float64)
+    per_sample = np.concatenate(
+        [2 * residual[:, None] * x, 2 * residual[:, None]], axis=1
+    )
+    mean = per_sample.mean(axis=0)
+    reference = ((per_sample - mean) ** 2).sum(axis=1).mean() / (mean @ mean)
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(1, kernel_initializer="zeros")(inputs)
+    model = AccumulatingModel(inputs, outputs, n_gradients=4,
+                              measure_noise_scale=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0).history
+    np.testing.assert_allclose(history["noise_scale"], reference, rtol=0.15)

@@ -102,8 +102,11 @@ class Accumulation:
                 f"boundary, and the model has {window_is_open(open_steps)}. "
                 f"Received: {changed}"
             )
-        if settings.accumulator_dtype != self.settings.accumulator_dtype:
-            # The next step builds the window anew in the new dtype.
+        if (settings.accumulator_dtype != self.settings.accumulator_dtype
+                or settings.measure_noise_scale
+                != self.settings.measure_noise_scale):
+            # The next step builds the window anew, in the new dtype, with
+            # or without the noise scale's variables.
             self.window = None
             self.window_end = None
         self.settings = settings
@@ -137,6 +140,17 @@ class Accumulation:
         if self.window is None:
             return self.checkpoint.pending_count("skipped_windows")
         return int(self.window.skipped_windows.numpy())
+
+    def noise_scale(self):
+        """Float, the gradient noise scale measured in the current epoch.
+
+        None when not measured (`measure_noise_scale` off, or no window of
+        two or more micro-batches applied yet this epoch).
+        """
+        window = self.window
+        if window is None or window.noise is None:
+            return None
+        return window.noise.epoch_value()
 
     def watch_updates(self, train_function, optimizer):
         """`train_function`, noting the updates applied before each run."""
@@ -265,6 +279,7 @@ class Accumulation:
                     length=self.window_length(),
                     accumulator_dtype=self.settings.dtype,
                     statistics_calls=statistics_calls,
+                    measure_noise_scale=self.settings.measure_noise_scale,
                 )
                 self.checkpoint.window_built(self.window)
                 self.window_end = self._make_window_end(self.window)
@@ -292,6 +307,8 @@ class Accumulation:
         if window is not None:
             window.steps_left_in_epoch.assign(self._epoch_steps)
             window.set_length(self.window_length())
+            if window.noise is not None and epoch is not None:
+                window.noise.start_epoch()
 
     def add_micro_step(self, gradients, weight, batch_size,
                        divide_by_weight=True, loss=None, statistics=()):
@@ -324,7 +341,8 @@ class Accumulation:
             samples, window.strategy,
             exact=not self.settings.flush_each_epoch,
         )
-        window.add(gradients, weight, samples, has_data, loss, statistics)
+        window.add(gradients, weight, samples, has_data, loss, statistics,
+                   divided=divide_by_weight)
         window_full = window.is_full()
         epoch_ends = tf.equal(window.steps_left_in_epoch, 0)
         self.window_end.end_if(

@@ -185,6 +185,8 @@ def _write(window, arrays, accumulation):
             _assign_share(getattr(window, name), share)
         for sums, value in zip(window.statistics.sums, statistics):
             _assign_share(sums, value / replicas)
+        if window.noise is not None:
+            window.noise.window_restored(is_open=counters["micro_steps"] > 0)
     window.has_gradient = [
         now or saved for now, saved in zip(window.has_gradient, has_gradient)
     ]

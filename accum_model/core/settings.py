@@ -4,6 +4,7 @@
 their (0-based) epoch on, with windows of 1 before the smallest key.
 `flush_each_epoch` says whether a window ends with its epoch.
 `accumulator_dtype` is the dtype the accumulators sum in.
+`measure_noise_scale` says whether windows measure the gradient noise scale.
 """
 
 import numbers
@@ -88,6 +89,32 @@ def check_flush_each_epoch(flush_each_epoch):
     return flush_each_epoch
 
 
+def check_measure_noise_scale(measure_noise_scale, n_gradients):
+    """Returns `measure_noise_scale`, or raises.
+
+    Raises:
+        TypeError: Not a bool.
+        ValueError: True, and no window holds two micro-batches.
+    """
+    if not isinstance(measure_noise_scale, bool):
+        raise TypeError(
+            "`measure_noise_scale` must be True or False. "
+            f"Received: measure_noise_scale={measure_noise_scale!r}"
+        )
+    lengths = (n_gradients.values() if isinstance(n_gradients, dict)
+               else [n_gradients])
+    if measure_noise_scale and max(lengths) < 2:
+        raise ValueError(
+            "`measure_noise_scale=True` compares each micro-batch's gradient "
+            "with its window's, which takes windows of 2 or more "
+            "micro-batches: set `n_gradients` >= 2 (or give some epochs of "
+            "its schedule 2 or more), or measure_noise_scale=False. "
+            f"Received: n_gradients={n_gradients!r}, "
+            "measure_noise_scale=True"
+        )
+    return measure_noise_scale
+
+
 class Settings:
     """The constructor arguments of an accumulating model, validated.
 
@@ -95,21 +122,26 @@ class Settings:
         n_gradients: Int >= 1, or a dict `{epoch: n}` (see module doc).
         flush_each_epoch: Bool.
         accumulator_dtype: One of `ACCUMULATOR_DTYPES`.
+        measure_noise_scale: Bool.
 
     Raises:
         ValueError: An argument is not one of its allowed values; the message
             names it.
+        TypeError: `measure_noise_scale` is not a bool.
     """
 
     # The defaults of the model's constructor and of `accumulating()`.
     DEFAULTS = {"n_gradients": 1, "flush_each_epoch": True,
-                "accumulator_dtype": "float32"}
+                "accumulator_dtype": "float32", "measure_noise_scale": False}
 
     def __init__(self, n_gradients=1, flush_each_epoch=True,
-                 accumulator_dtype="float32"):
+                 accumulator_dtype="float32", measure_noise_scale=False):
         self.n_gradients = check_n_gradients(n_gradients)
         self.flush_each_epoch = check_flush_each_epoch(flush_each_epoch)
         self.accumulator_dtype = check_accumulator_dtype(accumulator_dtype)
+        self.measure_noise_scale = check_measure_noise_scale(
+            measure_noise_scale, self.n_gradients
+        )
 
     @classmethod
     def from_config(cls, config, defaults=None):

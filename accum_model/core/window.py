@@ -3,6 +3,7 @@
 import tensorflow as tf
 
 from accum_model.core.batch_statistics import WindowStatistics
+from accum_model.core.noise_scale import NoiseScale
 
 _ON_READ = tf.VariableSynchronization.ON_READ
 
@@ -37,10 +38,14 @@ class GradientWindow:
         statistics_calls: List of `StatisticsCall`: the normalization
             layers' training-mode calls whose moving statistics the window
             pools (see `batch_statistics`).
+        measure_noise_scale: Bool. Whether the window measures the gradient
+            noise scale (`noise` is a `NoiseScale`; None otherwise, and the
+            step holds no variable or op of it).
     """
 
     def __init__(self, trainable_variables, strategy, steps_left_in_epoch=-1,
-                 length=1, accumulator_dtype=tf.float32, statistics_calls=()):
+                 length=1, accumulator_dtype=tf.float32, statistics_calls=(),
+                 measure_noise_scale=False):
         self.trainable_variables = list(trainable_variables)
         self.strategy = strategy
         # Which variables received a gradient, learned when the training
@@ -89,6 +94,7 @@ class GradientWindow:
             self.next_length = self._scalar("next_window_length", tf.int64,
                                             initial=length)
         self.statistics = WindowStatistics(statistics_calls, strategy)
+        self.noise = NoiseScale(strategy) if measure_noise_scale else None
 
     @staticmethod
     def _scalar(name, dtype, aggregation="first", initial=0):
@@ -120,7 +126,7 @@ class GradientWindow:
         )
 
     def add(self, gradients, weight, samples, counts, loss=None,
-            statistics=()):
+            statistics=(), divided=True):
         """Adds a micro step to the window (replica context).
 
         Args:
@@ -134,6 +140,8 @@ class GradientWindow:
             loss: Scalar, the micro-batch's loss, or None if not tracked.
             statistics: List of `RecordedStatistics`, one per statistics
                 call of the window.
+            divided: Bool. Whether the loss was a mean over `weight`
+                elements (False: a sum, see `NoiseScale.add`).
         """
         # A variable keeps its gradient once any micro step gave it one (in
         # eager mode each step reports its own; a trace reports them all).
@@ -180,6 +188,12 @@ class GradientWindow:
             ))
         self.sample_sum.assign_add(samples)
         self.statistics.add(statistics)
+        if self.noise is not None:
+            self.noise.add(
+                [None if overwrite else g
+                 for g, overwrite in zip(gradients, self.overwrite)],
+                weight, samples, divided,
+            )
         step = tf.cast(counts, tf.int64)
         self.micro_steps.assign_add(step)
         self.steps_left_in_epoch.assign_sub(step)
@@ -206,6 +220,14 @@ class GradientWindow:
         if not finite:
             return tf.constant(1.0)
         return tf.cast(tf.reduce_all(tf.stack(finite)), tf.float32)
+
+    def local_noise_estimates(self):
+        """This replica's noise-scale estimates (see `NoiseScale`)."""
+        return self.noise.local_estimates([
+            s for s, used, overwrite in zip(
+                self.gradient_sums, self.has_gradient, self.overwrite)
+            if used and not overwrite
+        ])
 
     def mean_gradients(self, total_weight):
         """This replica's share of the window gradient (replica context).
@@ -237,6 +259,8 @@ class GradientWindow:
         self.loss_sum.assign(0.0)
         self.sample_sum.assign(0.0)
         self.statistics.reset()
+        if self.noise is not None:
+            self.noise.reset()
         self.micro_steps.assign(0)
         self.length.assign(self.next_length)
         if tf.executing_eagerly():

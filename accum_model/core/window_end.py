@@ -2,8 +2,8 @@
 
 Written once for replica and cross-replica context (see `replicas`). The
 only communication a window costs is here: one small reduction of the
-window's weight, samples, finiteness, loss sum and pooled batch statistics,
-and the optimizer's reduction of the gradients.
+window's weight, samples, finiteness, loss sum, noise-scale estimates and
+pooled batch statistics, and the optimizer's reduction of the gradients.
 """
 
 import functools
@@ -11,6 +11,7 @@ import functools
 import tensorflow as tf
 
 from accum_model.core import replicas
+from accum_model.core.noise_scale import ESTIMATES
 
 
 class WindowEnd:
@@ -77,15 +78,21 @@ class WindowEnd:
         window = self.window
         scaling = self.loss_scaling
         statistics = window.statistics
-        totals = replicas.sum_over_replicas(
-            lambda: tf.concat([
-                tf.stack([
-                    window.weight_sum, window.sample_sum,
-                    window.local_is_finite(), window.loss_sum,
-                ]),
-                statistics.local_sums(),
-            ], 0)
-        )
+        noise = window.noise
+
+        def local_totals():
+            parts = [tf.stack([
+                window.weight_sum, window.sample_sum,
+                window.local_is_finite(), window.loss_sum,
+            ])]
+            if noise is not None:
+                parts.append(window.local_noise_estimates())
+            parts.append(statistics.local_sums())
+            return tf.concat(parts, 0)
+
+        totals = replicas.sum_over_replicas(local_totals)
+        noise_totals = totals[4:4 + ESTIMATES] if noise is not None else None
+        statistics_totals = totals[4 + (ESTIMATES if noise is not None else 0):]
         total_weight, total_samples = totals[0], totals[1]
         if not self.divide_by_weight:
             total_weight = tf.constant(1.0)
@@ -96,6 +103,9 @@ class WindowEnd:
         def update():
             replicas.for_each_replica(self._apply_mean_gradients, total_weight)
             scaling.after_update()
+            # Windows skipped for overflow are not measured.
+            if noise is not None:
+                replicas.for_each_replica(noise.count, noise_totals)
 
         def skip():
             scaling.after_overflow()
@@ -121,7 +131,7 @@ class WindowEnd:
             # The large batch's forward pass moves the moving statistics
             # whether or not its update is then skipped for overflow.
             if statistics.calls:
-                replicas.for_each_replica(statistics.apply, totals[4:])
+                replicas.for_each_replica(statistics.apply, statistics_totals)
             update_or_skip()
 
         tf.cond(total_samples > 0, replicas.without_result(report_and_apply),
