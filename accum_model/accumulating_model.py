@@ -345,7 +345,14 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
         return super().fit(*args, **kwargs)
 
     def _check_ready_to_accumulate(self):
-        """Raises (or warns) before training if the set-up cannot accumulate."""
+        """Raises (or warns) before training if the set-up cannot accumulate.
+
+        An uncompiled model is left to Keras, whose `fit()` then says to
+        call `compile()` (Keras 3 has no `optimizer` attribute until then,
+        Keras 2 has None).
+        """
+        if getattr(self, "optimizer", None) is None:
+            return
         self._accumulation.weight_from_batch_size = (
             _checks.check_ready_to_accumulate(
                 self, _model_classes.requested_class(type(self))

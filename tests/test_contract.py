@@ -490,3 +490,10 @@ def test_keras_2_layers_in_containers_are_refused_by_name(container):
     with pytest.raises(ValueError, match="another Keras") as error:
         model.fit(x, y, batch_size=8, verbose=0)
     assert named in str(error.value)
+
+
+def test_fit_before_compile_gives_keras_own_error():
+    x, y = regression_data(samples=16)
+    for model in (mlp(keras.Model), mlp(AccumulatingModel, n_gradients=2)):
+        with pytest.raises(ValueError, match="compile"):
+            model.fit(x, y, batch_size=8, verbose=0)

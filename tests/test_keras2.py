@@ -1029,3 +1029,10 @@ def test_noise_scale_is_the_data_sets():
     model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
     history = model.fit(x, y, batch_size=8, epochs=2, verbose=0).history
     np.testing.assert_allclose(history["noise_scale"], reference, rtol=0.15)
+
+
+def test_fit_before_compile_gives_keras_own_error():
+    x, y = regression_data(samples=16)
+    for model in (mlp(keras.Model), mlp(AccumulatingModel, n_gradients=2)):
+        with pytest.raises(RuntimeError, match="compile"):
+            model.fit(x, y, batch_size=8, verbose=0)
