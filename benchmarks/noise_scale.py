@@ -154,6 +154,7 @@ def plot(results, path):
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         print("matplotlib is not installed: no plot")
         return
@@ -168,6 +169,10 @@ def plot(results, path):
     axes.axhline(reading["micro_batch"], color="gray", linestyle=":",
                  label=f"micro-batch b = {reading['micro_batch']}")
     axes.set_yscale("log")
+    axes.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    axes.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    axes.set_yticks([10, 16, 32, 64, 128, 256])
+    axes.set_xticks(epochs[::max(1, len(epochs) // 10)])
     axes.set_xlabel("epoch")
     axes.set_ylabel("samples")
     axes.set_title("digits CNN: gradient noise scale per epoch")

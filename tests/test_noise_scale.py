@@ -204,3 +204,20 @@ def test_the_setting_is_saved_and_cloned(tmp_path):
         assert isinstance(copy, AccumulatingModel)
         assert copy.measure_noise_scale is True
         assert copy.n_gradients == 4
+
+
+def test_mixed_precision_gives_the_float32_estimate():
+    # float16 gradients under dynamic loss scaling (its first window
+    # overflows at the initial scale and is not counted).
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    x, y = _linear_data(seed=4)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(1, kernel_initializer="zeros")(inputs)
+    outputs = keras.layers.Activation("linear", dtype="float32")(hidden)
+    model = AccumulatingModel(inputs, outputs, n_gradients=4,
+                              measure_noise_scale=True)
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.0)), loss="mse")
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0).history
+    np.testing.assert_allclose(history["noise_scale"],
+                               _reference_noise_scale(x, y), rtol=0.15)
