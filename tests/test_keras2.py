@@ -1027,7 +1027,7 @@ def test_noise_scale_is_the_data_sets():
     model = AccumulatingModel(inputs, outputs, n_gradients=4,
                               measure_noise_scale=True)
     model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
-    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0).history
+    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0).history
     np.testing.assert_allclose(history["noise_scale"], reference, rtol=0.15)
 
 

@@ -44,7 +44,7 @@ def _linear_model(model_class=AccumulatingModel, **settings):
     return model_class(inputs, outputs, **settings)
 
 
-def _fit_logs(model, x, y, batch_size, epochs=2, loss="mse"):
+def _fit_logs(model, x, y, batch_size, epochs=1, loss="mse"):
     keras.utils.set_random_seed(0)  # the order fit() shuffles in
     model.compile(optimizer=keras.optimizers.SGD(0.0), loss=loss)
     return model.fit(x, y, batch_size=batch_size, epochs=epochs,
@@ -55,7 +55,7 @@ def _fit_logs(model, x, y, batch_size, epochs=2, loss="mse"):
 def test_logged_noise_scale_is_the_data_sets(micro_batch, n_gradients):
     x, y = _linear_data()
     model = _linear_model(n_gradients=n_gradients, measure_noise_scale=True)
-    history = _fit_logs(model, x, y, micro_batch)
+    history = _fit_logs(model, x, y, micro_batch, epochs=2)
     reference = _reference_noise_scale(x, y)
     assert len(history["noise_scale"]) == 2
     np.testing.assert_allclose(history["noise_scale"], reference, rtol=0.15)
@@ -236,6 +236,6 @@ def test_mixed_precision_gives_the_float32_estimate():
     model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
         keras.optimizers.SGD(0.0)), loss="mse")
     keras.utils.set_random_seed(0)
-    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0).history
+    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0).history
     np.testing.assert_allclose(history["noise_scale"],
                                _reference_noise_scale(x, y), rtol=0.15)
