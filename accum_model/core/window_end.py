@@ -91,8 +91,9 @@ class WindowEnd:
             return tf.concat(parts, 0)
 
         totals = replicas.sum_over_replicas(local_totals)
-        noise_totals = totals[4:4 + ESTIMATES] if noise is not None else None
-        statistics_totals = totals[4 + (ESTIMATES if noise is not None else 0):]
+        noise_end = 4 + (ESTIMATES if noise is not None else 0)
+        noise_totals = totals[4:noise_end]
+        statistics_totals = totals[noise_end:]
         total_weight, total_samples = totals[0], totals[1]
         if not self.divide_by_weight:
             total_weight = tf.constant(1.0)
