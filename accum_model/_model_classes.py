@@ -19,6 +19,8 @@ qualified name, so names, name scopes and serialization are unchanged, and
 they are created once per class. No existing class is modified.
 """
 
+import inspect
+
 from accum_model._chooser import adapter
 from accum_model._chooser import keras
 from accum_model.core import class_tree
@@ -181,3 +183,10 @@ class _FunctionalRouter(keras.Model):
             if not isinstance(self, adapter.Functional):
                 self.__class__ = requested_class(type(self))
             keras.Model.__init__(self, *args, **kwargs)
+
+
+def takes_keyword(function, name):
+    """Whether `function` accepts the keyword argument `name`."""
+    parameters = inspect.signature(function).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD
+               for p in parameters)

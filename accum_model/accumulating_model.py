@@ -22,6 +22,20 @@ from accum_model.core.settings import Settings
 from accum_model.core.settings import n_gradients_from_config
 
 
+def _setting(name, summary, settable=True):
+    """A property of the model for the accumulation setting `name`."""
+
+    def get(model):
+        return getattr(model._accumulation.settings, name)
+
+    def set_(model, value):
+        model._accumulate_with(model._settings_with(**{name: value}))
+
+    doc = summary + ("\n\nMay be set between `fit()` calls while no window "
+                     "is open." if settable else "")
+    return property(get, set_ if settable else None, doc=doc)
+
+
 @keras.saving.register_keras_serializable(package="accum_model")
 class AccumulatingModel(adapter.ModelDifferences, keras.Model):
     """A `keras.Model` that applies one update per `n_gradients` micro-batches.
@@ -161,7 +175,7 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
         next_from_config = super().from_config
         # Keras's own takes `custom_objects`; many classes' (keras-hub's
         # `Task`, say) take the config alone.
-        if _takes_keyword(next_from_config, "custom_objects"):
+        if _model_classes.takes_keyword(next_from_config, "custom_objects"):
             model = next_from_config(config, custom_objects=custom_objects)
         else:
             model = next_from_config(config)
@@ -181,46 +195,22 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
             type(self), self._accumulation.settings.non_defaults()
         )
 
-    @property
-    def n_gradients(self):
-        """Int, or dict `{epoch: n}`: micro-batches per update, as given.
-
-        May be set between `fit()` calls while no window is open.
-        """
-        return self._accumulation.settings.n_gradients
-
-    @n_gradients.setter
-    def n_gradients(self, value):
-        self._accumulate_with(self._settings_with(n_gradients=value))
-
-    @property
-    def flush_each_epoch(self):
-        """Bool. Whether the window open at an epoch's end is applied then.
-
-        May be set between `fit()` calls while no window is open.
-        """
-        return self._accumulation.settings.flush_each_epoch
-
-    @flush_each_epoch.setter
-    def flush_each_epoch(self, value):
-        self._accumulate_with(self._settings_with(flush_each_epoch=value))
-
-    @property
-    def accumulator_dtype(self):
-        """Str. The dtype the gradients are summed in."""
-        return self._accumulation.settings.accumulator_dtype
-
-    @property
-    def measure_noise_scale(self):
-        """Bool. Whether epochs log the gradient noise scale, `noise_scale`.
-
-        May be set between `fit()` calls while no window is open.
-        """
-        return self._accumulation.settings.measure_noise_scale
-
-    @measure_noise_scale.setter
-    def measure_noise_scale(self, value):
-        self._accumulate_with(self._settings_with(measure_noise_scale=value))
+    n_gradients = _setting(
+        "n_gradients",
+        "Int, or dict `{epoch: n}`: micro-batches per update, as given.",
+    )
+    flush_each_epoch = _setting(
+        "flush_each_epoch",
+        "Bool. Whether the window open at an epoch's end is applied then.",
+    )
+    accumulator_dtype = _setting(
+        "accumulator_dtype", "Str. The dtype the gradients are summed in.",
+        settable=False,
+    )
+    measure_noise_scale = _setting(
+        "measure_noise_scale",
+        "Bool. Whether epochs log the gradient noise scale, `noise_scale`.",
+    )
 
     # Public state ----------------------------------------------------------
 
@@ -475,12 +465,5 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
         accumulation.add_micro_step(list(gradients), weight, batch_size)
 
 
-
 # Keras 2 writes the plain class name into `.h5` files and JSON.
 adapter.register_plain_name(AccumulatingModel)
-
-def _takes_keyword(function, name):
-    """Whether `function` accepts the keyword argument `name`."""
-    parameters = inspect.signature(function).parameters.values()
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD
-               for p in parameters)
