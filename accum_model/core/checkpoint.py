@@ -21,6 +21,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from accum_model.core import replicas
 from accum_model.core.tf_checkpoint import SavedInTfCheckpoints
 
 # Counters saved with the window, in the order of the "counters" array. The
@@ -172,19 +173,21 @@ def _write(window, arrays, accumulation):
             "weights, or call `model.apply_open_window()` before saving."
         )
     statistics = _statistics_to_write(window, arrays, counters)
-    replicas = strategy.num_replicas_in_sync
+    num_replicas = strategy.num_replicas_in_sync
     offsets = np.cumsum([0] + sizes)
     with strategy.scope():
         for i, gradient_sum in enumerate(window.gradient_sums):
             value = gradients[offsets[i]:offsets[i + 1]].reshape(
                 gradient_sum.shape
             )
-            _assign_share(gradient_sum, value / replicas)
+            replicas.assign_on_every_replica(gradient_sum,
+                                             value / num_replicas)
         for name in _COUNTERS:
-            share = counters[name] / replicas if name in _SUMMED else counters[name]
-            _assign_share(getattr(window, name), share)
+            share = (counters[name] / num_replicas if name in _SUMMED
+                     else counters[name])
+            replicas.assign_on_every_replica(getattr(window, name), share)
         for sums, value in zip(window.statistics.sums, statistics):
-            _assign_share(sums, value / replicas)
+            replicas.assign_on_every_replica(sums, value / num_replicas)
         if window.noise is not None:
             window.noise.window_restored(is_open=counters["micro_steps"] > 0)
     window.has_gradient = [
@@ -229,9 +232,3 @@ def _statistics_to_write(window, arrays, counters):
         saved[offsets[i]:offsets[i + 1]].reshape(shape)
         for i, shape in enumerate(shapes)
     ]
-
-
-def _assign_share(variable, value):
-    """Gives every local replica's copy of `variable` the value `value`."""
-    for component in getattr(variable, "values", (variable,)):
-        component.assign(tf.cast(value, component.dtype))

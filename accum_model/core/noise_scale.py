@@ -24,7 +24,7 @@ and can divide by about zero.
 
 import tensorflow as tf
 
-_ON_READ = tf.VariableSynchronization.ON_READ
+from accum_model.core import replicas
 
 # Number of values `local_estimates` adds to the window's reduction.
 ESTIMATES = 3
@@ -38,20 +38,27 @@ class NoiseScale:
     """
 
     def __init__(self, strategy):
+        float32 = tf.float32
         with strategy.scope():
             # This replica's window: sum of v |g|^2, sum of v, and the
             # micro-batches with v > 0 in it.
-            self.squared_norm_sum = _scalar("noise_squared_norm_sum")
-            self.weight_sum = _scalar("noise_weight_sum")
-            self.micro_batches = _scalar("noise_micro_batches")
+            self.squared_norm_sum = replicas.local_scalar(
+                "noise_squared_norm_sum", float32, "sum")
+            self.weight_sum = replicas.local_scalar(
+                "noise_weight_sum", float32, "sum")
+            self.micro_batches = replicas.local_scalar(
+                "noise_micro_batches", float32, "sum")
             # 0 for a window whose first micro-batches no longer are in
             # these sums (restored from a checkpoint): it is not measured.
-            self.measurable = _scalar("noise_window_measurable", initial=1.0)
+            self.measurable = replicas.local_scalar(
+                "noise_window_measurable", float32, "sum", initial=1.0)
             # The epoch's estimates of tr(Sigma) and |G|^2, summed over
-            # measured (window, replica) pairs, and how many there were.
-            self.trace_sum = _scalar("noise_trace_sum", first_replica=True)
-            self.signal_sum = _scalar("noise_signal_sum", first_replica=True)
-            self.estimates = _scalar("noise_estimates", first_replica=True)
+            # measured (window, replica) pairs, and how many there were;
+            # equal on all replicas.
+            self.trace_sum = replicas.local_scalar("noise_trace_sum", float32)
+            self.signal_sum = replicas.local_scalar("noise_signal_sum",
+                                                    float32)
+            self.estimates = replicas.local_scalar("noise_estimates", float32)
 
     def add(self, gradients, weight, samples, divided):
         """Adds a micro-batch's squared gradient norm (replica context).
@@ -131,13 +138,14 @@ class NoiseScale:
         before the checkpoint are not in the sums."""
         for variable in (self.squared_norm_sum, self.weight_sum,
                          self.micro_batches):
-            _assign_everywhere(variable, 0.0)
-        _assign_everywhere(self.measurable, 0.0 if is_open else 1.0)
+            replicas.assign_on_every_replica(variable, 0.0)
+        replicas.assign_on_every_replica(self.measurable,
+                                         0.0 if is_open else 1.0)
 
     def start_epoch(self):
         """Forgets the estimates of the epochs before (eagerly)."""
         for variable in (self.trace_sum, self.signal_sum, self.estimates):
-            _assign_everywhere(variable, 0.0)
+            replicas.assign_on_every_replica(variable, 0.0)
 
     def epoch_value(self):
         """Float, the epoch's B_noise so far, or None if nothing measured.
@@ -153,23 +161,6 @@ class NoiseScale:
         if signal <= 0.0:
             return float("inf")
         return max(trace, 0.0) / signal
-
-
-def _scalar(name, initial=0.0, first_replica=False):
-    return tf.Variable(
-        tf.constant(initial, tf.float32),
-        trainable=False,
-        synchronization=_ON_READ,
-        aggregation=(tf.VariableAggregation.ONLY_FIRST_REPLICA
-                     if first_replica else tf.VariableAggregation.SUM),
-        name=name,
-    )
-
-
-def _assign_everywhere(variable, value):
-    """Gives every local replica's copy of `variable` the value `value`."""
-    for component in getattr(variable, "values", (variable,)):
-        component.assign(value)
 
 
 def _squared_norm(gradient):

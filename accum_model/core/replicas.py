@@ -119,3 +119,32 @@ def without_result(fn):
 
 def do_nothing():
     """A `tf.cond` branch that does nothing."""
+
+
+def local_scalar(name, dtype, aggregation="first", initial=0):
+    """A scalar variable of which each replica keeps its own copy.
+
+    Synchronised on read: replicas add to their own copy without any
+    communication. Read in cross-replica context, an `aggregation="sum"`
+    variable gives the sum over replicas, a `"first"` one the first
+    replica's (for values equal on all replicas). Create it under the
+    strategy's scope.
+    """
+    return tf.Variable(
+        tf.constant(initial, dtype),
+        trainable=False,
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=(
+            tf.VariableAggregation.SUM
+            if aggregation == "sum"
+            else tf.VariableAggregation.ONLY_FIRST_REPLICA
+        ),
+        name=name,
+    )
+
+
+def assign_on_every_replica(variable, value):
+    """Gives every local replica's copy of `variable` the value `value`
+    (eagerly, in cross-replica context)."""
+    for component in getattr(variable, "values", (variable,)):
+        component.assign(tf.cast(value, component.dtype))

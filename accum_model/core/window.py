@@ -2,6 +2,7 @@
 
 import tensorflow as tf
 
+from accum_model.core import replicas
 from accum_model.core.batch_statistics import WindowStatistics
 from accum_model.core.noise_scale import NoiseScale
 
@@ -76,39 +77,25 @@ class GradientWindow:
                     self.trainable_variables, self.overwrite
                 )
             ]
-            self.weight_sum = self._scalar("window_weight", tf.float32, "sum")
+            scalar = replicas.local_scalar
+            self.weight_sum = scalar("window_weight", tf.float32, "sum")
             # The micro-batches' losses, each times its weight: divided by
             # the window's weight, the large batch's loss.
-            self.loss_sum = self._scalar("window_loss", tf.float32, "sum")
-            self.sample_sum = self._scalar("window_samples", tf.float32, "sum")
-            self.micro_steps = self._scalar("window_micro_steps", tf.int64)
+            self.loss_sum = scalar("window_loss", tf.float32, "sum")
+            self.sample_sum = scalar("window_samples", tf.float32, "sum")
+            self.micro_steps = scalar("window_micro_steps", tf.int64)
             # Micro steps left before the epoch ends; negative when unknown.
-            self.steps_left_in_epoch = self._scalar(
+            self.steps_left_in_epoch = scalar(
                 "steps_left_in_epoch", tf.int64, initial=steps_left_in_epoch
             )
-            self.skipped_windows = self._scalar("skipped_windows", tf.int64)
+            self.skipped_windows = scalar("skipped_windows", tf.int64)
             # The length of this window, and of the windows after it (a
             # schedule changes it at a window boundary).
-            self.length = self._scalar("window_length", tf.int64,
-                                       initial=length)
-            self.next_length = self._scalar("next_window_length", tf.int64,
-                                            initial=length)
+            self.length = scalar("window_length", tf.int64, initial=length)
+            self.next_length = scalar("next_window_length", tf.int64,
+                                      initial=length)
         self.statistics = WindowStatistics(statistics_calls, strategy)
         self.noise = NoiseScale(strategy) if measure_noise_scale else None
-
-    @staticmethod
-    def _scalar(name, dtype, aggregation="first", initial=0):
-        return tf.Variable(
-            tf.constant(initial, dtype),
-            trainable=False,
-            synchronization=_ON_READ,
-            aggregation=(
-                tf.VariableAggregation.SUM
-                if aggregation == "sum"
-                else tf.VariableAggregation.ONLY_FIRST_REPLICA
-            ),
-            name=name,
-        )
 
     def matches(self, trainable_variables, statistics_calls=()):
         """Whether this window was built for exactly these variables."""
