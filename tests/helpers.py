@@ -2,6 +2,7 @@
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from accum_model import AccumulatingModel
 
@@ -102,3 +103,59 @@ def skip_unless_executions_stop_cleanly(steps_per_execution=2):
     if (steps_per_execution > 1
             and not adapter.executions_stop_cleanly_at_end_of_data()):
         pytest.skip("this Keras cannot stop an execution between steps")
+
+
+class BatchMeanLoss(keras.losses.Loss):
+    """A loss whose `call` already returns the batch mean (a scalar)."""
+
+    def call(self, y_true, y_pred):
+        return keras.ops.mean(keras.ops.square(y_true - y_pred))
+
+
+def scalar_output_mlp(model_class, **kwargs):
+    """A perceptron whose output has shape `(batch,)`."""
+    keras.utils.set_random_seed(4)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    outputs = keras.layers.Reshape(())(keras.layers.Dense(1)(hidden))
+    return model_class(inputs=inputs, outputs=outputs, **kwargs)
+
+
+def batch_norm_mlp(model_class, **kwargs):
+    """A perceptron with a BatchNormalization after its hidden layer."""
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8)(inputs)
+    hidden = keras.layers.BatchNormalization()(hidden)
+    return model_class(inputs, keras.layers.Dense(3)(hidden), **kwargs)
+
+
+def traced_step(model, strategy, x, y):
+    """The GraphDef of one training step, as `fit()` would run it."""
+    model.make_train_function()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    element = next(iter(strategy.experimental_distribute_dataset(dataset)))
+    step = tf.function(lambda data: strategy.run(model.train_step, (data,)))
+    return step.get_concrete_function(element).graph.as_graph_def()
+
+
+def collective_reductions(graph_def, num_replicas):
+    """Counts reductions run on every step and those under a condition.
+
+    Each replica runs its own collective op for one reduction, so ops are
+    divided by the number of replicas.
+    """
+    library = {f.signature.name: f for f in graph_def.library.function}
+    counts = {"every_step": 0, "conditional": 0}
+
+    def visit(nodes, conditional):
+        for node in nodes:
+            if node.op.startswith(("Collective", "Nccl")):
+                counts["conditional" if conditional else "every_step"] += 1
+            for key in ("then_branch", "else_branch", "f", "body", "cond"):
+                if key in node.attr and node.attr[key].func.name:
+                    visit(library[node.attr[key].func.name].node_def,
+                          conditional or key.endswith("_branch"))
+
+    visit(graph_def.node, False)
+    return {k: v / num_replicas for k, v in counts.items()}

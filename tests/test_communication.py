@@ -1,82 +1,137 @@
-"""What crosses replicas: nothing per micro step, one gradient reduction per
-window (counted in the traced training step, as `fit()` runs it)."""
+"""What crosses replicas: nothing per micro step, one reduction per window
+(counted in the traced training step, as `fit()` runs it)."""
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
 from accum_model import AccumulatingModel
+from accum_model import _chooser
+from helpers import batch_norm_mlp
+from helpers import collective_reductions
 from helpers import iterations
+from helpers import max_weight_difference
 from helpers import mlp
 from helpers import regression_data
+from helpers import traced_step
+
+ONE_PER_WINDOW = {"every_step": 0, "conditional": 1}
 
 
-def _traced_step(model, strategy, x, y):
-    """The GraphDef of one training step, as `fit()` would run it."""
-    model.make_train_function()
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
-    element = next(iter(strategy.experimental_distribute_dataset(dataset)))
-    step = tf.function(lambda data: strategy.run(model.train_step, (data,)))
-    return step.get_concrete_function(element).graph.as_graph_def()
+# name -> (model builder, optimizer keywords, model keywords)
+CONFIGURATIONS = {
+    "plain": (mlp, {}, {}),
+    "clipnorm": (mlp, {"clipnorm": 1.0}, {}),
+    "global_clipnorm": (mlp, {"global_clipnorm": 1.0}, {}),
+    "clipvalue": (mlp, {"clipvalue": 0.1}, {}),
+    "batch_statistics": (batch_norm_mlp, {}, {}),
+    "noise_scale": (mlp, {}, {"measure_noise_scale": True}),
+    "float16_accumulators": (mlp, {}, {"accumulator_dtype": "float16"}),
+    "float64_accumulators": (mlp, {}, {"accumulator_dtype": "float64"}),
+}
 
 
-def _collective_reductions(graph_def, num_replicas):
-    """Counts reductions run on every step and those under a condition.
-
-    Each replica runs its own collective op for one reduction, so ops are
-    divided by the number of replicas.
-    """
-    library = {f.signature.name: f for f in graph_def.library.function}
-    counts = {"every_step": 0, "conditional": 0}
-
-    def visit(nodes, conditional):
-        for node in nodes:
-            if node.op.startswith(("Collective", "Nccl")):
-                counts["conditional" if conditional else "every_step"] += 1
-            for key in ("then_branch", "else_branch", "f", "body", "cond"):
-                if key in node.attr and node.attr[key].func.name:
-                    visit(library[node.attr[key].func.name].node_def,
-                          conditional or key.endswith("_branch"))
-
-    visit(graph_def.node, False)
-    return {k: v / num_replicas for k, v in counts.items()}
+def _compiled(strategy, build, optimizer_keywords, model_keywords,
+              model_class=AccumulatingModel, **extra):
+    with strategy.scope():
+        model = build(model_class, n_gradients=4, **model_keywords, **extra)
+        model.compile(optimizer=keras.optimizers.SGD(0.1,
+                                                     **optimizer_keywords),
+                      loss="mse")
+    return model
 
 
-@pytest.mark.parametrize("clipping", [False, True])
-def test_one_gradient_reduction_per_window(two_replicas, clipping):
+@pytest.mark.filterwarnings("ignore:BatchNormalization layers")
+@pytest.mark.parametrize("name", sorted(CONFIGURATIONS))
+def test_one_reduction_per_window(two_replicas, name):
+    build, optimizer_keywords, model_keywords = CONFIGURATIONS[name]
     x, y = regression_data(samples=64)
+    model = _compiled(two_replicas, build, optimizer_keywords,
+                      model_keywords)
+    counts = collective_reductions(traced_step(model, two_replicas, x, y), 2)
+    # The window's totals and its gradient sums travel together; clipping
+    # acts on the reduced gradient, so it needs no reduction of its own.
+    assert counts == ONE_PER_WINDOW
 
-    def optimizer():
-        return keras.optimizers.SGD(0.1, clipnorm=1.0 if clipping else None)
 
+def test_one_reduction_per_window_under_loss_scaling(two_replicas):
+    # The finiteness verdict of every replica rides in the same reduction.
+    x, y = regression_data(samples=64)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = _compiled(two_replicas, mlp, {}, {})
+        assert isinstance(model.optimizer,
+                          keras.optimizers.LossScaleOptimizer)
+        counts = collective_reductions(
+            traced_step(model, two_replicas, x, y), 2)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert counts == ONE_PER_WINDOW
+
+
+def test_plain_keras_reduces_on_every_micro_step_and_windows_once(
+        two_replicas):
+    x, y = regression_data(samples=64)
     with two_replicas.scope():
         plain = mlp(keras.Model)
-        plain.compile(optimizer=optimizer(), loss="mse")
-        accumulating = mlp(AccumulatingModel, n_gradients=4)
-        accumulating.compile(optimizer=optimizer(), loss="mse")
-    plain_counts = _collective_reductions(
-        _traced_step(plain, two_replicas, x, y), 2
-    )
-    our_counts = _collective_reductions(
-        _traced_step(accumulating, two_replicas, x, y), 2
-    )
-    # Plain Keras reduces the gradients on every micro step.
-    assert plain_counts == {"every_step": 1, "conditional": 0}
-    # Accumulation: nothing per micro step; at the window end the window's
-    # weight and finiteness (one small reduction), then the gradients once
-    # (twice with clipping, which needs the summed gradient first).
-    assert our_counts == {"every_step": 0,
-                          "conditional": 3 if clipping else 2}
-
+        plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model = _compiled(two_replicas, mlp, {}, {})
+    assert collective_reductions(traced_step(plain, two_replicas, x, y),
+                                 2) == {"every_step": 1, "conditional": 0}
     # The conditional branch runs once per window: 8 micro-batches, 2
-    # windows, so 2 * our_counts reductions against 8 for plain Keras.
-    accumulating.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
-    plain.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
-    windows = iterations(accumulating)
-    assert windows == 2
-    assert windows * our_counts["conditional"] < (
-        iterations(plain) * plain_counts["every_step"]
-    )
+    # windows, 2 reductions against plain Keras's 8.
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert iterations(model) == 2
+
+
+def test_a_window_ended_early_or_restored_reduces_once(two_replicas,
+                                                       tmp_path):
+    # A window that ends before it is full (the end of an epoch or of
+    # training applies it) runs the same window end from its own function;
+    # a window restored from a checkpoint carries on in the training step.
+    x, y = regression_data(samples=40)
+    model = _compiled(two_replicas, mlp, {"clipnorm": 1.0}, {},
+                      flush_each_epoch=False)
+    model.train_on_batch(x[:8], y[:8])
+    assert model._accumulation.open_micro_steps() == 1
+    apply_open = model._accumulation.window_end._make_apply_open()
+    graph = apply_open.get_concrete_function().graph.as_graph_def()
+    assert collective_reductions(graph, 2) == ONE_PER_WINDOW
+    path = str(tmp_path / "open.weights.h5")
+    model.save_weights(path)
+    restored = _compiled(two_replicas, mlp, {"clipnorm": 1.0}, {},
+                         flush_each_epoch=False)
+    restored.train_on_batch(x[:8], y[:8])
+    restored.load_weights(path)
+    assert restored._accumulation.open_micro_steps() == 1
+    counts = collective_reductions(
+        traced_step(restored, two_replicas, x, y), 2)
+    # One scalar per micro step tells empty steps apart (see below).
+    assert counts == {"every_step": 1, "conditional": 1}
+
+
+def test_without_the_optimizer_hook_two_reductions_stay_exact(
+        two_replicas, monkeypatch):
+    # Where the optimizer cannot be kept from summing over replicas, the
+    # first replica hands in the reduced gradient and the others zeros:
+    # the optimizer's own sum is a second reduction, and clipping still
+    # acts on the whole gradient.
+    monkeypatch.setattr(_chooser.adapter.LossScaling,
+                        "applies_summed_gradients", False)
+    x, y = regression_data(samples=96)
+    model = _compiled(two_replicas, mlp, {"clipnorm": 0.05}, {})
+    assert collective_reductions(traced_step(model, two_replicas, x, y),
+                                 2) == {"every_step": 0, "conditional": 2}
+    plain = mlp(keras.Model)
+    plain.compile(optimizer=keras.optimizers.SGD(0.1, clipnorm=0.05),
+                  loss="mse")
+    plain.set_weights(model.get_weights())
+    plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert iterations(model) == 6
+    assert max_weight_difference(plain, model) <= 1e-5
+    assert np.all(np.isfinite(model.get_weights()[0]))
 
 
 def test_windows_carried_over_epochs_count_micro_steps_with_one_scalar(
@@ -88,40 +143,5 @@ def test_windows_carried_over_epochs_count_micro_steps_with_one_scalar(
     with two_replicas.scope():
         model = mlp(AccumulatingModel, n_gradients=4, flush_each_epoch=False)
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    counts = _collective_reductions(_traced_step(model, two_replicas, x, y), 2)
-    assert counts == {"every_step": 1, "conditional": 2}
-
-
-def test_batch_statistics_ride_in_the_window_reduction(two_replicas):
-    # A training BatchNormalization adds its pooled statistics to the
-    # window's one small reduction: still nothing per micro step, and as
-    # many reductions per window as without it.
-    x, y = regression_data(samples=64)
-
-    def build():
-        keras.utils.set_random_seed(1)
-        inputs = keras.Input((6,))
-        hidden = keras.layers.Dense(8)(inputs)
-        hidden = keras.layers.BatchNormalization()(hidden)
-        return AccumulatingModel(inputs, keras.layers.Dense(3)(hidden),
-                                 n_gradients=4)
-
-    with two_replicas.scope():
-        model = build()
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    counts = _collective_reductions(_traced_step(model, two_replicas, x, y),
-                                    2)
-    assert counts == {"every_step": 0, "conditional": 2}
-
-
-def test_noise_scale_rides_in_the_window_reduction(two_replicas):
-    # Measuring the noise scale adds three scalars per replica to the
-    # window's one small reduction, and no reduction anywhere.
-    x, y = regression_data(samples=64)
-    with two_replicas.scope():
-        model = mlp(AccumulatingModel, n_gradients=4,
-                    measure_noise_scale=True)
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    counts = _collective_reductions(_traced_step(model, two_replicas, x, y),
-                                    2)
-    assert counts == {"every_step": 0, "conditional": 2}
+    counts = collective_reductions(traced_step(model, two_replicas, x, y), 2)
+    assert counts == {"every_step": 1, "conditional": 1}

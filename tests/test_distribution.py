@@ -6,11 +6,13 @@ import pytest
 import tensorflow as tf
 
 from accum_model import AccumulatingModel
+from helpers import BatchMeanLoss
 from helpers import fit_both
 from helpers import iterations
 from helpers import max_weight_difference
 from helpers import mlp
 from helpers import regression_data
+from helpers import scalar_output_mlp
 from test_exactness import OPTIMIZERS
 from test_exactness import _masked_lstm
 from test_exactness import _padded_sequences
@@ -137,30 +139,15 @@ def test_datasets_from_a_function_match_one_device(two_replicas,
     assert max_weight_difference(plain, model) <= TOLERANCE
 
 
-class _BatchMeanLoss(keras.losses.Loss):
-    """A loss whose `call` already returns the batch mean (a scalar)."""
-
-    def call(self, y_true, y_pred):
-        return keras.ops.mean(keras.ops.square(y_true - y_pred))
-
-
-def _scalar_output(model_class, **kwargs):
-    keras.utils.set_random_seed(4)
-    inputs = keras.Input((6,))
-    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
-    outputs = keras.layers.Reshape(())(keras.layers.Dense(1)(hidden))
-    return model_class(inputs=inputs, outputs=outputs, **kwargs)
-
-
 @pytest.mark.parametrize("shape", ["scalar_output", "batch_mean_loss"])
 def test_losses_keras_leaves_undivided_match_one_device(two_replicas, shape):
     # Keras divides a reduced loss by the replicas, but not one that is a
     # scalar before reduction; the window must equal one device either way.
     x, y = regression_data(samples=96, outputs=1)
     if shape == "scalar_output":
-        build, loss, y = _scalar_output, "mse", y[:, 0]
+        build, loss, y = scalar_output_mlp, "mse", y[:, 0]
     else:
-        build, loss = mlp, _BatchMeanLoss()
+        build, loss = mlp, BatchMeanLoss()
 
     def make(model_class, **kwargs):
         if build is mlp:

@@ -16,6 +16,8 @@ import tensorflow as tf
 from accum_model import AccumulatingModel
 from accum_model import _chooser
 from accum_model import accumulating
+from helpers import collective_reductions
+from helpers import traced_step
 
 pytestmark = pytest.mark.skipif(
     _chooser.KERAS_MAJOR != 2, reason="tf.keras is not Keras 2 here"
@@ -452,6 +454,18 @@ def test_two_replicas_equal_one_device_large_batch(name, two_replicas):
     plain, model = fit_both(OPTIMIZERS[name], x, y, strategy=two_replicas)
     assert iterations(model) == iterations(plain) == 8
     assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam_clipnorm"])
+def test_one_reduction_per_window_under_replicas(name, two_replicas):
+    # The window's totals and its gradient sums travel in one collective;
+    # the optimizer is told not to sum again (skip_gradients_aggregation).
+    x, y = regression_data(samples=64)
+    with two_replicas.scope():
+        model = mlp(AccumulatingModel, n_gradients=4)
+        model.compile(optimizer=OPTIMIZERS[name](), loss="mse")
+    counts = collective_reductions(traced_step(model, two_replicas, x, y), 2)
+    assert counts == {"every_step": 0, "conditional": 1}
 
 
 def _regularized_mlp(model_class, **kwargs):

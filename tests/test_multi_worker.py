@@ -1,17 +1,27 @@
 """MultiWorkerMirroredStrategy on two real worker processes on 127.0.0.1.
 
-Each test runs `examples/multi_worker.py`, which starts both workers, kills
+Most tests run `examples/multi_worker.py`, which starts both workers, kills
 and reaps them if they outlive its timeout, and compares their weights with
-plain Keras trained in one process on the large batch.
+plain Keras trained in one process on the large batch. The cases of
+`multi_worker_cases.py` train in one launch of two workers and are compared
+here, each with one device.
 """
 
+import importlib.util
 import json
 import pathlib
 import subprocess
 import sys
 
+import keras
+import numpy as np
+import pytest
+
+import multi_worker_cases as cases
+
 EXAMPLE = (pathlib.Path(__file__).resolve().parent.parent / "examples"
            / "multi_worker.py")
+CASES_SCRIPT = pathlib.Path(cases.__file__)
 
 
 def run_example(*arguments, timeout=300):
@@ -47,10 +57,14 @@ def test_two_workers_under_mixed_precision():
             <= 2 * report["float16_rounding_max_difference"] + 1e-6)
 
 
-def test_worker_failure_ends_in_bounded_time_and_backup_resumes(tmp_path):
+def test_worker_failure_ends_in_bounded_time_and_the_window_resumes(
+        tmp_path):
+    # 13 micro-batches per epoch in windows of 4, carried over epoch ends:
+    # each epoch's backup holds a window of one micro-batch, which the
+    # restarted workers must resume.
     backup = str(tmp_path / "backup")
-    code, report = run_example("--epochs", "3", "--backup-dir", backup,
-                               "--fail-at-epoch", "1")
+    code, report = run_example("--epochs", "3", "--carry-window",
+                               "--backup-dir", backup, "--fail-at-epoch", "1")
     assert code == 1
     survivor_code, dead_code = report["exit_codes"]
     assert dead_code == 3
@@ -60,24 +74,115 @@ def test_worker_failure_ends_in_bounded_time_and_backup_resumes(tmp_path):
     # seconds of the heartbeat check noticing the dead peer.
     assert report["seconds"] < 150
 
-    code, report = run_example("--epochs", "3", "--backup-dir", backup)
-    assert code == 0, report
-    assert report["iterations"] == 12
-    assert report["workers_max_difference"] == 0.0
-    assert report["vs_single_process_max_difference"] <= 1e-5
-
-
-def test_window_carried_over_an_epoch_survives_a_worker_failure(tmp_path):
-    # 13 micro-batches per epoch in windows of 4: each epoch's backup holds
-    # a window of one micro-batch, which the restarted workers must resume.
-    backup = str(tmp_path / "backup")
-    code, report = run_example("--epochs", "3", "--carry-window",
-                               "--backup-dir", backup, "--fail-at-epoch", "1")
-    assert code == 1 and report["exit_codes"][1] == 3
-
     code, report = run_example("--epochs", "3", "--carry-window",
                                "--backup-dir", backup)
     assert code == 0, report
     assert report["iterations"] == 10  # ceil(39 / 4)
     assert report["workers_max_difference"] == 0.0
     assert report["vs_single_process_max_difference"] <= 1e-5
+
+
+def _launcher():
+    spec = importlib.util.spec_from_file_location("multi_worker", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def two_worker_cases(tmp_path_factory):
+    """The directory where both workers saved every case's results."""
+    out = tmp_path_factory.mktemp("multi_worker_cases")
+    launcher = _launcher()
+    ports = launcher.free_ports(2)
+    results = launcher.run_bounded([
+        [sys.executable, str(CASES_SCRIPT), "--worker-index", str(index),
+         "--ports", *map(str, ports), "--out", str(out)]
+        for index in range(2)
+    ], timeout=400)
+    for code, output in results:
+        assert code == 0, output[-4000:]
+    return out
+
+
+def _worker_results(out, name):
+    weights, reports = [], []
+    for index in range(2):
+        prefix = out / f"{name}_worker{index}"
+        with np.load(str(prefix) + ".npz") as arrays:
+            weights.append([arrays[f"arr_{i}"]
+                            for i in range(len(arrays.files))])
+        reports.append(json.loads(pathlib.Path(str(prefix) + ".json")
+                                  .read_text()))
+    return weights, reports
+
+
+def _large_batch_weights(name):
+    """Plain Keras on one device, one step per window of 32 samples."""
+    build, _, learning_rate, _, _, _ = cases.CASES[name]
+    x, y = cases.case_data(name)
+    plain = build(keras.Model)
+    plain.compile(optimizer=keras.optimizers.SGD(learning_rate),
+                  loss=cases.make_loss(name))
+    plain.fit(x, y, batch_size=cases.MICRO_BATCH * cases.N_GRADIENTS,
+              epochs=cases.EPOCHS, shuffle=False, verbose=0)
+    return plain.get_weights(), int(plain.optimizer.iterations.numpy())
+
+
+@pytest.mark.parametrize("name", [n for n in cases.CASES
+                                  if n != "noise_scale"])
+def test_two_workers_equal_one_device(two_worker_cases, name):
+    (first, second), (report, _) = _worker_results(two_worker_cases, name)
+    assert report["replicas"] == 2
+    assert all(np.array_equal(a, b) for a, b in zip(first, second))
+    expected, expected_iterations = _large_batch_weights(name)
+    assert report["iterations"] == expected_iterations
+    assert all(np.all(np.isfinite(w)) for w in first)
+    assert max(float(np.max(np.abs(a - b)))
+               for a, b in zip(first, expected)) <= 1e-5
+
+
+def _noise_scale_of_the_workers_windows(kernel, bias, x, y):
+    """B_noise from each worker's own windows (McCandlish et al.'s
+    unbiased estimates), summed over workers and windows, in numpy."""
+    residual = x @ kernel + bias - y
+    outputs = y.shape[1]
+    per_sample = np.concatenate([
+        (2.0 / outputs * x[:, :, None] * residual[:, None, :]).reshape(
+            len(x), -1),
+        2.0 / outputs * residual,
+    ], axis=1).astype(np.float64)
+    half = cases.MICRO_BATCH // 2
+    trace = signal = 0.0
+    for worker in range(2):
+        micro_batches = cases.worker_rows(len(x), worker).reshape(-1, half)
+        for first in range(0, len(micro_batches), cases.N_GRADIENTS):
+            window = micro_batches[first:first + cases.N_GRADIENTS]
+            means = np.stack([per_sample[rows].mean(0) for rows in window])
+            m, total = len(window), half * len(window)
+            squared = float(np.sum(half * np.sum(means ** 2, axis=1)))
+            window_term = float(np.sum((half * means).sum(0) ** 2)) / total
+            trace += (squared - window_term) / (m - 1)
+            signal += (window_term - squared / m) * m / (total * (m - 1))
+    return max(trace, 0.0) / signal
+
+
+def test_two_workers_measure_the_noise_scale_of_their_windows(
+        two_worker_cases):
+    (first, second), (report, _) = _worker_results(two_worker_cases,
+                                                   "noise_scale")
+    assert all(np.array_equal(a, b) for a, b in zip(first, second))
+    x, y = cases.case_data("noise_scale")
+    expected = _noise_scale_of_the_workers_windows(*first, x, y)
+    logged = report["history"]["noise_scale"]
+    assert len(logged) == cases.EPOCHS
+    np.testing.assert_allclose(logged, expected, rtol=1e-3)
+
+
+def test_two_workers_reduce_once_per_window(two_worker_cases):
+    # Each worker's traced step (SGD with clipnorm): no collective per
+    # micro step, one per window.
+    for index in range(2):
+        counts = json.loads((two_worker_cases
+                             / f"collectives_worker{index}.json").read_text())
+        assert counts == {"every_step": 0, "conditional": 1}

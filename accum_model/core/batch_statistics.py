@@ -116,6 +116,11 @@ class WindowStatistics:
                          count * (variance + tf.square(offset)), 0.0),
             ]))
 
+    @property
+    def size(self):
+        """The number of floats `local_sums()` holds."""
+        return sum(int(s.shape.num_elements()) for s in self.sums)
+
     def local_sums(self):
         """Float32 vector of this replica's sums, for the window's reduction."""
         if not self.sums:

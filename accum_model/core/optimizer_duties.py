@@ -15,11 +15,14 @@ would, not earlier. Its gradients are unscaled by the inverse.
 Each Keras adapter's `LossScaling` subclasses `OptimizerDuties` and fills in
 its Keras's way of doing each duty, with the same methods: `is_built`,
 `build`, `apply`, `scale_loss`, `unscale_gradients`, `after_update`,
-`after_overflow`, and the class attributes `clips_before_summing_replicas`
-and `counts_skipped_steps` (whether a window skipped for overflow advances
+`after_overflow`, `summed_gradients` (see there), and the attributes
+`applies_summed_gradients` (whether the optimizer can be kept from summing
+gradients over replicas) and `counts_skipped_steps` (whether a window skipped for overflow advances
 the optimizer's `iterations`, as that Keras's `LossScaleOptimizer` does for
 a skipped step).
 """
+
+import contextlib
 
 import tensorflow as tf
 
@@ -68,3 +71,26 @@ class OptimizerDuties:
     def active(self):
         """Whether the loss is scaled (a `LossScaleOptimizer` is compiled)."""
         return self.loss_scale_optimizer is not None
+
+    # Whether `apply` is inside `summed_gradients()`.
+    gradients_are_summed = False
+
+    @contextlib.contextmanager
+    def summed_gradients(self):
+        """Inside the block, `apply` takes gradients that every replica
+        holds whole, and the optimizer does not sum them over replicas.
+
+        Entered once around the per-replica calls (replicas may run in
+        threads of their own), only if `applies_summed_gradients`.
+        """
+        self.gradients_are_summed = True
+        try:
+            with self._optimizer_sum_skipped():
+                yield
+        finally:
+            self.gradients_are_summed = False
+
+    def _optimizer_sum_skipped(self):
+        """A context in which the optimizer does not sum over replicas (a
+        Keras whose optimizer takes an argument for it needs none)."""
+        return contextlib.nullcontext()

@@ -17,11 +17,15 @@ def for_each_replica(fn, *args):
     return fn(*args)
 
 
-def sum_over_replicas(fn):
-    """Sums the tensor `fn()` computes on each replica; one all-reduce.
+def sum_on_each_replica(fn):
+    """Sums what `fn()` computes on each replica; one all-reduce.
 
-    The same replica-context all-reduce the optimizer uses for gradients,
-    from either context, so every reduction goes through one mechanism.
+    `fn` returns a tensor or a list of tensors of one dtype, which travel
+    in a single collective. The same replica-context all-reduce the
+    optimizer uses for gradients, from either context. Returns each
+    replica's copy of the sum: a tensor (list) in replica context, per
+    replica values in cross-replica context, for `for_each_replica` to
+    hand each replica its own.
     """
 
     def replica_sum():
@@ -31,26 +35,28 @@ def sum_over_replicas(fn):
 
     if tf.distribute.in_cross_replica_context():
         strategy = tf.distribute.get_strategy()
-        per_replica = strategy.extended.call_for_each_replica(replica_sum)
-        return strategy.experimental_local_results(per_replica)[0]
+        return strategy.extended.call_for_each_replica(replica_sum)
     return replica_sum()
 
 
-def summed_into_first_replica(gradients):
-    """Replica context: gives the first replica the summed gradients.
+def first_local(value):
+    """The first local replica's copy of `value`, usable in this context."""
+    if tf.distribute.in_cross_replica_context():
+        strategy = tf.distribute.get_strategy()
+        return strategy.experimental_local_results(value)[0]
+    return value
 
-    The optimizer clips what each replica hands it, then sums over replicas.
-    Handing the full sum to one replica and zeros to the others makes it clip
-    the sum, as on one device: clipping leaves a zero gradient at zero.
-    """
+
+def sum_over_replicas(fn):
+    """The sum over replicas of the tensor `fn()`, as one tensor usable in
+    the current context (see `sum_on_each_replica`)."""
+    return first_local(sum_on_each_replica(fn))
+
+
+def is_first_replica():
+    """Replica context: a bool tensor, True on the first replica."""
     context = tf.distribute.get_replica_context()
-    present = [g for g in gradients if g is not None]
-    summed = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, present))
-    is_first = tf.cast(tf.equal(context.replica_id_in_sync_group, 0), tf.float32)
-    return [
-        None if g is None else next(summed) * tf.cast(is_first, g.dtype)
-        for g in gradients
-    ]
+    return tf.equal(context.replica_id_in_sync_group, 0)
 
 
 def has_data_on_some_replica(samples, strategy, exact):

@@ -208,35 +208,54 @@ class GradientWindow:
             return tf.constant(1.0)
         return tf.cast(tf.reduce_all(tf.stack(finite)), tf.float32)
 
-    def local_noise_estimates(self):
-        """This replica's noise-scale estimates (see `NoiseScale`)."""
-        return self.noise.local_estimates([
+    def summed_gradient_sums(self):
+        """The accumulators summed over replicas when the window ends: those
+        of variables with a gradient, but not those Keras overwrites with
+        their gradient (each replica keeps its own largest value)."""
+        return [
             s for s, used, overwrite in zip(
                 self.gradient_sums, self.has_gradient, self.overwrite)
             if used and not overwrite
-        ])
-
-    def mean_gradients(self, total_weight):
-        """This replica's share of the window gradient (replica context).
-
-        Summing the result over replicas gives the weighted mean gradient of
-        the whole window. Entries are None for variables without gradient.
-        A window whose weight is zero (every element masked) has a zero
-        gradient, as Keras's `divide_no_nan` gives the large batch.
-        """
-        return [
-            None if not used
-            else tf.cast(s, v.dtype) if overwrite
-            else tf.cast(
-                tf.math.divide_no_nan(tf.cast(s, total_weight.dtype),
-                                      total_weight),
-                v.dtype,
-            )
-            for s, v, used, overwrite in zip(
-                self.gradient_sums, self.trainable_variables,
-                self.has_gradient, self.overwrite,
-            )
         ]
+
+    def local_noise_estimates(self):
+        """This replica's noise-scale estimates (see `NoiseScale`)."""
+        return self.noise.local_estimates(self.summed_gradient_sums())
+
+    def mean_gradients(self, total_weight, summed):
+        """The window gradient (replica context).
+
+        Args:
+            total_weight: Float32 scalar, the window's weight summed over
+                replicas.
+            summed: List of tensors, the sums over replicas of
+                `summed_gradient_sums()`, in that order.
+
+        Returns:
+            One entry per variable: the weighted mean gradient of the whole
+            window, this replica's own value where Keras overwrites the
+            variable with its gradient, None where there is no gradient. A
+            window whose weight is zero (every element masked) has a zero
+            gradient, as Keras's `divide_no_nan` gives the large batch.
+        """
+        summed = iter(summed)
+        result = []
+        for gradient_sum, variable, used, overwrite in zip(
+            self.gradient_sums, self.trainable_variables,
+            self.has_gradient, self.overwrite,
+        ):
+            if not used:
+                result.append(None)
+            elif overwrite:
+                result.append(tf.cast(gradient_sum, variable.dtype))
+            else:
+                total = next(summed)
+                result.append(tf.cast(
+                    tf.math.divide_no_nan(
+                        total, tf.cast(total_weight, total.dtype)),
+                    variable.dtype,
+                ))
+        return result
 
     def reset(self):
         """Empties the window (replica context)."""

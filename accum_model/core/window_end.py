@@ -1,9 +1,9 @@
 """The end of a window: one optimizer update (or a skip), then an empty window.
 
 Written once for replica and cross-replica context (see `replicas`). The
-only communication a window costs is here: one small reduction of the
-window's weight, samples, finiteness, loss sum, noise-scale estimates and
-pooled batch statistics, and the optimizer's reduction of the gradients.
+only communication a window costs is here: one reduction of the window's
+gradient sums together with its weight, samples, finiteness, loss sum,
+noise-scale estimates and pooled batch statistics.
 """
 
 import functools
@@ -21,9 +21,6 @@ class WindowEnd:
         window: The `GradientWindow` being accumulated.
         loss_scaling: The `LossScaling` of the compiled optimizer.
         strategy: The `tf.distribute.Strategy` the model trains under.
-        reduce_before_clipping: Bool. Whether the window gradient is summed
-            over replicas before the optimizer sees it, so that clipping
-            acts on the whole gradient as on one device.
         run_eagerly: Bool. Whether `apply_open` runs without `tf.function`.
         accumulators_may_overflow: Bool. Whether a non-finite window is
             skipped even without loss scaling (narrow accumulators).
@@ -32,13 +29,11 @@ class WindowEnd:
             batch's) and the replica's samples in it; or None.
     """
 
-    def __init__(self, window, loss_scaling, strategy, reduce_before_clipping,
-                 run_eagerly, accumulators_may_overflow=False,
-                 report_loss=None):
+    def __init__(self, window, loss_scaling, strategy, run_eagerly,
+                 accumulators_may_overflow=False, report_loss=None):
         self.window = window
         self.loss_scaling = loss_scaling
         self.strategy = strategy
-        self.reduce_before_clipping = reduce_before_clipping
         self.run_eagerly = run_eagerly
         self.checks_finite = loss_scaling.active or accumulators_may_overflow
         self.report_loss = report_loss
@@ -50,20 +45,8 @@ class WindowEnd:
     def for_window(cls, window, loss_scaling, run_eagerly,
                    accumulators_may_overflow, report_loss=None):
         """The window end of a compiled set-up (see the class's arguments)."""
-        strategy = window.strategy
-        # Keras 3 clips each replica's gradients before summing them over
-        # replicas; to clip the window's gradient as one device would, it is
-        # summed first (one more reduction per window, only in this case).
-        update_optimizer = loss_scaling.update_optimizer
-        reduce_before_clipping = (
-            loss_scaling.clips_before_summing_replicas
-            and strategy.num_replicas_in_sync > 1
-        ) and any(
-            getattr(update_optimizer, name, None) is not None
-            for name in ("clipnorm", "clipvalue", "global_clipnorm")
-        )
-        return cls(window, loss_scaling, strategy, reduce_before_clipping,
-                   run_eagerly, accumulators_may_overflow, report_loss)
+        return cls(window, loss_scaling, window.strategy, run_eagerly,
+                   accumulators_may_overflow, report_loss)
 
     def end_if(self, should_end):
         """From replica context: ends the window when `should_end` holds."""
@@ -79,8 +62,13 @@ class WindowEnd:
         scaling = self.loss_scaling
         statistics = window.statistics
         noise = window.noise
+        summed_sums = window.summed_gradient_sums()
+        # One collective carries one dtype: float32, or float64 where an
+        # accumulator is (narrower accumulators are summed in float32).
+        dtype = tf.float64 if any(
+            s.dtype == tf.float64 for s in summed_sums) else tf.float32
 
-        def local_totals():
+        def local_window():
             parts = [tf.stack([
                 window.weight_sum, window.sample_sum,
                 window.local_is_finite(), window.loss_sum,
@@ -88,9 +76,20 @@ class WindowEnd:
             if noise is not None:
                 parts.append(window.local_noise_estimates())
             parts.append(statistics.local_sums())
+            parts = [tf.cast(p, dtype) for p in parts]
+            parts += [tf.reshape(tf.cast(s, dtype), [-1]) for s in summed_sums]
             return tf.concat(parts, 0)
 
-        totals = replicas.sum_over_replicas(local_totals)
+        # The window's only collective: one flat tensor holding its totals
+        # and its gradient sums (a list would travel as one collective per
+        # tensor under some strategies).
+        reduced = replicas.sum_on_each_replica(local_window)
+        totals_size = (4 + (ESTIMATES if noise is not None else 0)
+                       + statistics.size)
+        totals = tf.cast(
+            replicas.first_local(reduced)[:totals_size], tf.float32)
+        gradient_totals = replicas.for_each_replica(
+            _split_gradient_totals, reduced, totals_size, summed_sums)
         noise_end = 4 + (ESTIMATES if noise is not None else 0)
         noise_totals = totals[4:noise_end]
         statistics_totals = totals[noise_end:]
@@ -102,7 +101,13 @@ class WindowEnd:
         finite = tf.equal(totals[2], float(num_replicas))
 
         def update():
-            replicas.for_each_replica(self._apply_mean_gradients, total_weight)
+            if scaling.applies_summed_gradients:
+                with scaling.summed_gradients():
+                    replicas.for_each_replica(self._apply_window_gradient,
+                                              total_weight, gradient_totals)
+            else:
+                replicas.for_each_replica(self._apply_window_gradient,
+                                          total_weight, gradient_totals)
             scaling.after_update()
             # Windows skipped for overflow are not measured.
             if noise is not None:
@@ -139,20 +144,35 @@ class WindowEnd:
                 replicas.do_nothing)
         replicas.for_each_replica(window.reset)
 
-    def _apply_mean_gradients(self, total_weight):
-        """Replica context: hands the window gradient to the optimizer."""
+    def _apply_window_gradient(self, total_weight, gradient_totals):
+        """Replica context: hands the window gradient to the optimizer.
+
+        Every replica holds the whole window gradient. Where the optimizer
+        can be told so, each applies it without the optimizer's own sum over
+        replicas (no second collective, and clipping acts on the whole
+        gradient, as on one device). Otherwise the first replica hands in
+        the gradient and the others zeros, which the optimizer's sum turns
+        into the whole gradient again (clipping a zero leaves a zero).
+        """
         window = self.window
-        gradients = window.mean_gradients(total_weight)
-        if self.reduce_before_clipping:
-            gradients = replicas.summed_into_first_replica(gradients)
+        gradients = window.mean_gradients(total_weight, gradient_totals)
         pairs = [
-            (g, v)
-            for g, v in zip(gradients, window.trainable_variables)
+            (g, v, overwrite)
+            for g, v, overwrite in zip(
+                gradients, window.trainable_variables, window.overwrite)
             if g is not None
         ]
         if not pairs:
             return
-        self.loss_scaling.apply([g for g, _ in pairs], [v for _, v in pairs])
+        if (not self.loss_scaling.gradients_are_summed
+                and self.strategy.num_replicas_in_sync > 1):
+            is_first = replicas.is_first_replica()
+            pairs = [
+                (g if overwrite else g * tf.cast(is_first, g.dtype), v, None)
+                for g, v, overwrite in pairs
+            ]
+        self.loss_scaling.apply([g for g, _, _ in pairs],
+                                [v for _, v, _ in pairs])
 
     def apply_open(self):
         """Applies the window if it holds micro steps (eagerly called)."""
@@ -180,3 +200,15 @@ def _apply_open_window(window_end):
         lambda: window_end.end_if(window_end.window.micro_steps > 0)
     )
 
+
+
+def _split_gradient_totals(reduced, start, summed_sums):
+    """Replica context: the gradient sums in `reduced` from `start` on, each
+    shaped like its accumulator."""
+    result = []
+    for gradient_sum in summed_sums:
+        size = int(gradient_sum.shape.num_elements())
+        result.append(tf.reshape(reduced[start:start + size],
+                                 gradient_sum.shape))
+        start += size
+    return result

@@ -1,8 +1,10 @@
 """Keras 2's `LossScaleOptimizer` and optimizers, taken apart for windows.
 
-`apply_gradients(pairs)` sums the gradients over replicas *before* clipping
-them, so the window needs no reduction of its own for clipping to act on the
-whole gradient. `LossScaleOptimizer.get_scaled_loss` /
+The window end sums the window gradient over replicas itself, in the same
+collective as its totals, and applies it with the public
+`apply_gradients(..., skip_gradients_aggregation=True)` (legacy optimizers:
+`experimental_aggregate_gradients=False`), so the optimizer does not sum it
+a second time. `LossScaleOptimizer.get_scaled_loss` /
 `get_unscaled_gradients` are the hooks, and the dynamic scale lives in a
 private `_DynamicLossScaleState` whose own `update` rule is reused. Legacy
 optimizers (`optimizers.legacy`) are built through the private
@@ -56,8 +58,6 @@ class LossScaling(OptimizerDuties):
         optimizer: The compiled optimizer, a `LossScaleOptimizer` or not.
     """
 
-    # Keras 2 optimizers sum gradients over replicas, then clip.
-    clips_before_summing_replicas = False
     # Keras 2's LossScaleOptimizer (legacy and new) adds 1 to the inner
     # optimizer's `iterations` on a skipped step: schedules and Adam's bias
     # correction move on.
@@ -119,5 +119,17 @@ class LossScaling(OptimizerDuties):
         else:
             optimizer.build(variables)
 
+    # Both kinds of optimizer take a public argument for gradients already
+    # summed over replicas.
+    applies_summed_gradients = True
+
     def apply(self, gradients, variables):
-        self.update_optimizer.apply_gradients(zip(gradients, variables))
+        optimizer = self.update_optimizer
+        pairs = list(zip(gradients, variables))
+        if not self.gradients_are_summed:
+            optimizer.apply_gradients(pairs)
+        elif isinstance(optimizer, _optimizer_v2.OptimizerV2):
+            optimizer.apply_gradients(
+                pairs, experimental_aggregate_gradients=False)
+        else:
+            optimizer.apply_gradients(pairs, skip_gradients_aggregation=True)

@@ -6,11 +6,22 @@ does each of those duties at its own point of the window (see
 `accum_model.core.optimizer_duties`). Reads `dynamic_scale`, `step_counter`,
 `dynamic_growth_steps` and `initial_scale` (public attributes, checked on
 keras 3.6.0, 3.10.0 and 3.15.1).
+
+The window end sums the window gradient over replicas itself, in the same
+collective as its totals, and applies it through the private
+`_all_reduce_sum_gradients` hook of Keras's TensorFlow optimizer (its
+`_backend_update_step` sums each replica's gradients through it, after
+clipping them): replaced by the identity for the length of the apply, the
+optimizer neither sums a second time nor clips a replica's share. Checked
+on keras 3.6.0, 3.10.0 and 3.15.1.
 """
+
+import contextlib
 
 import tensorflow as tf
 from keras import optimizers
 
+from accum_model.core import patch
 from accum_model.core.optimizer_duties import OptimizerDuties
 from accum_model.core.optimizer_duties import scaled_gradients
 from accum_model.core.window import is_overwritten_with_gradient
@@ -30,8 +41,6 @@ class LossScaling(OptimizerDuties):
         optimizer: The compiled optimizer, a `LossScaleOptimizer` or not.
     """
 
-    # Keras 3 optimizers clip each replica's gradients, then sum them.
-    clips_before_summing_replicas = True
     # Keras 3's LossScaleOptimizer leaves `iterations` alone on a skip.
     counts_skipped_steps = False
 
@@ -44,8 +53,17 @@ class LossScaling(OptimizerDuties):
     def build(self, variables):
         self.optimizer.build(variables)
 
+    @property
+    def applies_summed_gradients(self):
+        """Whether `apply(..., summed=True)` can skip the optimizer's own
+        sum over replicas (its TensorFlow optimizer has the hook)."""
+        return callable(getattr(self.update_optimizer, _REPLICA_SUM, None))
+
     def apply(self, gradients, variables):
         self.update_optimizer.apply(gradients, variables)
+
+    def _optimizer_sum_skipped(self):
+        return _replica_sum_skipped(self.update_optimizer)
 
     def current_scale(self):
         """The scale in force now, as a float32 tensor."""
@@ -107,3 +125,17 @@ class LossScaling(OptimizerDuties):
             return
         lso.step_counter.assign(0)
         lso.dynamic_scale.assign(lso.dynamic_scale * 0.5)
+
+
+_REPLICA_SUM = "_all_reduce_sum_gradients"
+
+
+@contextlib.contextmanager
+def _replica_sum_skipped(optimizer):
+    """Inside the block, `optimizer` applies each replica's gradients as
+    they are (its hook returns the (gradient, variable) pairs unchanged)."""
+    setattr(optimizer, _REPLICA_SUM, patch.identity)
+    try:
+        yield
+    finally:
+        delattr(optimizer, _REPLICA_SUM)
