@@ -10,6 +10,8 @@ percentiles, and the sorted times in sevenths, so that a latency that comes
 in quanta (a timer, delayed acknowledgements) would show as steps.
 
 Run: python benchmarks/collective_latency.py [--steps 40] [--compute-rows 0]
+         [--pin]   # each worker on one core, as multi_worker_bandwidth.py
+         [--scalars-after 3]   # then scalar reductions, as fit()'s logs
 """
 
 import argparse
@@ -35,6 +37,8 @@ def run_worker(args):
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
+    if args.pin:
+        tf.config.threading.set_inter_op_parallelism_threads(2)
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     weight = tf.random.normal([2048, 2048])
     rows = tf.random.normal([max(args.compute_rows, 1), 2048])
@@ -52,7 +56,13 @@ def run_worker(args):
                         hidden = tf.matmul(hidden, weight) * 1e-3
                     total = tf.reduce_sum(hidden) * 0.0
                 context = tf.distribute.get_replica_context()
-                return context.all_reduce("SUM", value + total)
+                result = context.all_reduce("SUM", value + total)
+                # Scalars reduced after it, each depending on the one
+                # before, as Keras's fit() reduces its logs after a step.
+                scalar = tf.reduce_sum(result[:1])
+                for _ in range(args.scalars_after):
+                    scalar = context.all_reduce("SUM", scalar * 0.5)
+                return result[:1] + scalar * 0.0
 
             return strategy.run(replica)
 
@@ -75,6 +85,12 @@ def main():
     parser.add_argument("--compute-rows", type=int, default=0,
                         help="rows of the matrix product before each "
                              "all-reduce (0: none)")
+    parser.add_argument("--scalars-after", type=int, default=0,
+                        help="scalar all-reduces after the tensor's, in "
+                             "the same step (0: none)")
+    parser.add_argument("--pin", action="store_true",
+                        help="run each worker on one core of its own "
+                             "(taskset), as multi_worker_bandwidth.py does")
     parser.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--ports", type=int, nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -85,9 +101,12 @@ def main():
 
     ports = free_ports(2)
     commands = [
-        [sys.executable, os.path.abspath(__file__), "--worker-index", str(i),
-         "--ports", *map(str, ports), "--steps", str(args.steps),
-         "--compute-rows", str(args.compute_rows)]
+        (["taskset", "-c", str(i % os.cpu_count())] if args.pin else [])
+        + [sys.executable, os.path.abspath(__file__), "--worker-index", str(i),
+           "--ports", *map(str, ports), "--steps", str(args.steps),
+           "--compute-rows", str(args.compute_rows),
+           "--scalars-after", str(args.scalars_after)]
+        + (["--pin"] if args.pin else [])
         for i in range(2)
     ]
     workers = [subprocess.Popen(c, stdout=subprocess.PIPE, text=True)
@@ -95,7 +114,9 @@ def main():
     outputs = [w.communicate(timeout=900)[0] for w in workers]
     times = json.loads(outputs[0].strip().splitlines()[-1])
     print(f"two workers on 127.0.0.1, {args.steps} steps, compute rows "
-          f"{args.compute_rows}; ms per step")
+          f"{args.compute_rows}, {args.scalars_after} scalar reductions "
+          f"after, {'one core each' if args.pin else 'unpinned'}"
+          "; ms per step")
     print("| bytes | median | p10 | p90 | sorted, every 7th |")
     print("|---|---|---|---|---|")
     for size, elapsed in times.items():

@@ -17,9 +17,17 @@ From the times it fits, per bandwidth, time per micro-batch = compute +
 reduce / n, and reports the n from which reducing costs under 5% of a
 micro-batch.
 
+Each point's residual from the fitted line is reported, and the speed-up
+per sample over plain Keras.
+
+`--package-path DIR` runs the workers on the accum_model found in DIR (a
+checkout of another commit, e.g. made with `git worktree add`), so that two
+versions can be compared on the same machine; `--name` keeps its results
+apart.
+
 Run: sudo python benchmarks/multi_worker_bandwidth.py
-         [--bandwidths host 10gbit 1gbit 100mbit] [--rounds 3]
-         [--out benchmarks/results]
+         [--bandwidths host 10gbit 1gbit 100mbit] [--rounds 7]
+         [--out benchmarks/results] [--package-path DIR --name NAME]
 """
 
 import argparse
@@ -46,6 +54,36 @@ from multi_worker import run_bounded  # noqa: E402
 # One worker -------------------------------------------------------------------
 
 
+def plain_keras_class():
+    """`keras.Model` with the two work-arounds keras 3.15.1 needs to train
+    under two workers (imported when called, in a worker)."""
+    import keras
+
+    from accum_model.keras3 import training as keras3_training
+
+    class PlainKeras(keras.Model):
+        """Keras's own training step, patched to run under two workers.
+
+        keras 3.15.1's `keras.Model.fit` fails under two MWMS workers
+        before training (its symbolic build reduces a distributed batch,
+        and its log reduction cannot reduce scalars over workers; see
+        docs/distribution.md). These two work-arounds, the ones
+        AccumulatingModel uses, change neither the arithmetic nor the
+        gradient reductions.
+        """
+
+        def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+            if iterator is None:
+                return super()._maybe_symbolic_build(iterator, data_batch)
+            keras3_training.symbolic_build_from_local_batch(self, iterator)
+
+        def train_step(self, data):
+            return keras3_training.logs_for_reduction(
+                super().train_step(data), self.distribute_strategy)
+
+    return PlainKeras
+
+
 def run_worker(args):
     os.environ["TF_CONFIG"] = json.dumps({
         "cluster": {"worker": [f"127.0.0.1:{p}" for p in args.ports]},
@@ -57,26 +95,7 @@ def run_worker(args):
     import tensorflow as tf
 
     from accum_model import AccumulatingModel
-    from accum_model.keras3 import training as keras3_training
-
-    class PlainKeras(keras.Model):
-        """Keras's own training step, patched to run under two workers.
-
-        keras 3.15.1's `keras.Model.fit` fails under two MWMS workers
-        before training (its symbolic build reduces a distributed batch,
-        and its log reduction cannot reduce scalars over workers; see
-        docs/distribution.md). These two work-arounds, the ones AccumulatingModel uses,
-        change neither the arithmetic nor the gradient reductions.
-        """
-
-        def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-            if iterator is None:
-                return super()._maybe_symbolic_build(iterator, data_batch)
-            keras3_training.symbolic_build_from_local_batch(self, iterator)
-
-        def train_step(self, data):
-            return keras3_training.logs_for_reduction(
-                super().train_step(data), self.distribute_strategy)
+    PlainKeras = plain_keras_class()
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(2)
@@ -139,16 +158,16 @@ def _reductions_per_step(model, strategy, x, y):
     """Collective reductions in one traced training step of `model`.
 
     "every_step" run on each micro-batch; "conditional" only when the step
-    ends a window. Counted by the helpers of tests/test_communication.py,
-    so the benchmark and the test count the same thing.
+    ends a window. Counted by the helpers tests/test_communication.py
+    uses, so the benchmark and the test count the same thing.
     """
     sys.path.insert(0, os.path.join(_ROOT, "tests"))
-    from test_communication import _collective_reductions
-    from test_communication import _traced_step
+    from helpers import collective_reductions
+    from helpers import traced_step
 
     local_replicas = len(strategy.extended.worker_devices)
-    return _collective_reductions(_traced_step(model, strategy, x, y),
-                                  local_replicas)
+    return collective_reductions(traced_step(model, strategy, x, y),
+                                 local_replicas)
 
 
 # Network namespaces -----------------------------------------------------------
@@ -214,14 +233,19 @@ def run_pair(args, prefix, timeout):
     # A fresh namespace has every port free; on the host pick free ones.
     ports = [23456, 23457] if prefix else free_ports(2)
     commands = [
-        prefix + [
-            "taskset", "-c", str(index % os.cpu_count()), sys.executable,
+        prefix + ([] if args.no_pin else [
+            "taskset", "-c", str(index % os.cpu_count())]) + [sys.executable,
             os.path.abspath(__file__), "--worker-index", str(index),
             "--ports", *map(str, ports), "--rounds", str(args.rounds),
             "--out", out,
         ]
         for index in range(2)
     ]
+    if args.package_path:
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [os.path.abspath(args.package_path)]
+            + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+               if p])
     results = run_bounded(commands, timeout)
     if any(code for code, _ in results):
         raise RuntimeError("a worker failed:\n" + "\n".join(
@@ -247,6 +271,12 @@ def summarize(report):
     det = a11 * a22 - a12 ** 2
     compute = (a22 * b1 - a12 * b2) / det
     reduce = (a11 * b2 - a12 * b1) / det
+    for n in ns:
+        row = rows[f"n={n}"]
+        fitted = compute + reduce / n
+        row["residual_pct"] = 100 * (row["median_ms"] - fitted) / fitted
+        row["speedup_vs_keras"] = rows["keras"]["median_ms"] / row[
+            "median_ms"]
     # The smallest n at which reducing costs under 5% of the compute.
     negligible = (max(1, int(-(-reduce // (0.05 * compute))))
                   if reduce > 0 and compute > 0 else 1)
@@ -269,6 +299,7 @@ def to_markdown(results):
         f"Command: `{run.get('command', 'not recorded')}`",
         f"Machine: {run.get('machine', 'not recorded')}",
         f"Date: {run.get('date', 'not recorded')}",
+        f"accum_model: {run.get('accum_model', 'not recorded')}",
         "",
         "Milliseconds per micro-batch (global micro-batch of 32 over two "
         "MultiWorkerMirroredStrategy workers on 127.0.0.1, a 2048-2048-10 "
@@ -299,6 +330,28 @@ def to_markdown(results):
             f"{summary['fit_reduce_ms']:.1f}/n | "
             f"{summary['n_where_reduce_under_5pct']} |"
         )
+    lines += [
+        "",
+        "Residual of each median from the fitted line (median / fit - 1), "
+        "and speed-up per sample over plain Keras (Keras's median / the "
+        "column's).",
+        "",
+        "| link | " + " | ".join(f"n={n}" for n in N_VALUES) + " |",
+        "|---|" + "---|" * len(N_VALUES),
+    ]
+    for link, summary in _links(results).items():
+        if "skipped" in summary:
+            continue
+        rows = summary["rows"]
+        lines.append(f"| {link} | " + " | ".join(
+            f"{rows[f'n={n}']['residual_pct']:+.0f}%, "
+            f"{rows[f'n={n}']['speedup_vs_keras']:.2f}x"
+            for n in N_VALUES) + " |")
+    reductions = next((s["reductions"] for s in _links(results).values()
+                       if "reductions" in s), None)
+    if reductions:
+        lines += ["", "Collective reductions in one traced training step: "
+                  + json.dumps(reductions)]
     return "\n".join(lines)
 
 
@@ -344,6 +397,13 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--out", default=os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--no-pin", action="store_true",
+                        help="let the scheduler place the workers instead "
+                             "of one core each (taskset)")
+    parser.add_argument("--package-path",
+                        help="directory whose accum_model the workers use")
+    parser.add_argument("--name", default="multi_worker_bandwidth",
+                        help="file name stem of the results")
     parser.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--ports", type=int, nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--replot", action="store_true",
@@ -351,10 +411,9 @@ def main(argv=None):
                              "without measuring")
     args = parser.parse_args(argv)
     if args.replot:
-        with open(os.path.join(args.out,
-                               "multi_worker_bandwidth.json")) as f:
+        with open(os.path.join(args.out, args.name + ".json")) as f:
             results = json.load(f)
-        write_results(results, args.out)
+        write_results(results, args.out, args.name)
         return 0
     if args.worker_index is not None:
         run_worker(args)
@@ -388,28 +447,38 @@ def main(argv=None):
     results["_run"] = {
         "command": "python " + " ".join(
             [os.path.relpath(__file__)] + sys.argv[1:]),
-        "machine": (f"{platform.machine()}, {os.cpu_count()} cores (one "
-                    f"per worker), Python {platform.python_version()}"),
+        "machine": (f"{platform.machine()}, {os.cpu_count()} cores ("
+                    + ("shared by the workers" if args.no_pin
+                       else "one per worker")
+                    + f"), Python {platform.python_version()}"),
         "date": datetime.date.today().isoformat(),
+        "accum_model": _package_commit(args.package_path or _ROOT),
     }
     first = next((s for s in _links(results).values()
                   if "reductions" in s), None)
     if first:
         print("collective reductions in one traced step:",
               json.dumps(first["reductions"]))
-    write_results(results, args.out)
+    write_results(results, args.out, args.name)
     return 0
 
 
-def write_results(results, out):
+def _package_commit(path):
+    """The commit of the checkout at `path`, or "unknown"."""
+    result = subprocess.run(["git", "-C", path, "rev-parse", "--short",
+                             "HEAD"], capture_output=True, text=True)
+    return result.stdout.strip() or "unknown"
+
+
+def write_results(results, out, name="multi_worker_bandwidth"):
     markdown = to_markdown(results)
     print(markdown)
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "multi_worker_bandwidth.json"), "w") as f:
+    with open(os.path.join(out, name + ".json"), "w") as f:
         json.dump(results, f, indent=1)
-    with open(os.path.join(out, "multi_worker_bandwidth.md"), "w") as f:
+    with open(os.path.join(out, name + ".md"), "w") as f:
         f.write(markdown + "\n")
-    plot(results, os.path.join(out, "multi_worker_bandwidth.png"))
+    plot(results, os.path.join(out, name + ".png"))
 
 
 if __name__ == "__main__":

@@ -58,6 +58,19 @@ def build(name, model_class, **kwargs):
         x = keras.layers.Conv2D(64, 3, padding="same", activation="relu")(x)
         x = keras.layers.GlobalAveragePooling2D()(x)
         outputs = keras.layers.Dense(10)(x)
+    elif name == "bn_cnn":
+        # The CNN above with a BatchNormalization after each convolution.
+        inputs = keras.Input((32, 32, 3))
+        x = inputs
+        for filters, pool in ((32, False), (32, True), (64, False)):
+            x = keras.layers.Conv2D(filters, 3, padding="same",
+                                    use_bias=False)(x)
+            x = keras.layers.BatchNormalization()(x)
+            x = keras.layers.Activation("relu")(x)
+            if pool:
+                x = keras.layers.MaxPooling2D()(x)
+        x = keras.layers.GlobalAveragePooling2D()(x)
+        outputs = keras.layers.Dense(10)(x)
     elif name == "lstm":
         inputs = keras.Input((None,), dtype="int32")
         x = keras.layers.Embedding(1000, 64, mask_zero=True)(inputs)
@@ -83,7 +96,7 @@ def data(name, samples):
     y = rng.integers(0, 10, size=samples).astype("int32")
     if name == "mlp":
         return rng.normal(size=(samples, 256)).astype("float32"), y
-    if name == "cnn":
+    if name in ("cnn", "bn_cnn"):
         return rng.random((samples, 32, 32, 3), dtype="float32"), y
     if name == "wide_cnn":
         return rng.random((samples, 64, 64, 3), dtype="float32"), y
@@ -94,14 +107,16 @@ def data(name, samples):
 
 
 def compiled(name, config, n_gradients=N_GRADIENTS):
-    """config: "keras" (plain), "accum_model", "keras_accumulation", or
-    "control": an AccumulatingModel with n_gradients=1, which runs Keras's
-    own train_step, so its ratio to "keras" shows the measurement noise."""
+    """config: "keras" (plain), "accum_model", "accum_model_noise" (with
+    measure_noise_scale=True), "keras_accumulation", or "control": an
+    AccumulatingModel with n_gradients=1, which runs Keras's own
+    train_step, so its ratio to "keras" shows the measurement noise."""
     if config == "control":
         model = build(name, AccumulatingModel, n_gradients=1)
         optimizer = keras.optimizers.Adam(1e-3)
-    elif config == "accum_model":
-        model = build(name, AccumulatingModel, n_gradients=n_gradients)
+    elif config in ("accum_model", "accum_model_noise"):
+        model = build(name, AccumulatingModel, n_gradients=n_gradients,
+                      measure_noise_scale=config == "accum_model_noise")
         optimizer = keras.optimizers.Adam(1e-3)
     elif config == "keras_accumulation":
         model = build(name, keras.Model)
@@ -150,7 +165,8 @@ def summary(values):
 
 def overhead(model_name, rounds, micro_batches):
     x, y = data(model_name, MICRO_BATCH * micro_batches)
-    configs = ("keras", "accum_model", "keras_accumulation", "control")
+    configs = ("keras", "accum_model", "accum_model_noise",
+               "keras_accumulation", "control")
     times = interleaved(
         {c: compiled(model_name, c) for c in configs}, x, y, rounds
     )
@@ -162,6 +178,8 @@ def overhead(model_name, rounds, micro_batches):
         # Ratios are paired round by round, so slow phases of the machine
         # affect both sides of a ratio alike.
         "ratio_vs_keras": summary(np.asarray(times["accum_model"]) / plain),
+        "noise_ratio_vs_keras": summary(
+            np.asarray(times["accum_model_noise"]) / plain),
         "ratio_vs_keras_accumulation": summary(
             np.asarray(times["accum_model"])
             / np.asarray(times["keras_accumulation"])
@@ -359,10 +377,11 @@ def report(results, out):
         "Keras's own train_step: its ratio to keras is the noise of the "
         "measurement.",
         "",
-        "| model | keras (ms) | accum_model (ms) | keras "
-        "gradient_accumulation_steps (ms) | accum_model / keras | "
+        "| model | keras (ms) | accum_model (ms) | accum_model, noise scale "
+        "on (ms) | keras gradient_accumulation_steps (ms) | "
+        "accum_model / keras | noise on / keras | "
         "accum_model / keras accumulation | control / keras |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
 
     def cell(s, digits=2):
@@ -371,10 +390,14 @@ def report(results, out):
 
     for name, r in results["overhead"].items():
         ms = r["ms_per_micro_batch"]
+        noise_ms = ms.get("accum_model_noise")
+        noise_ratio = r.get("noise_ratio_vs_keras")
         lines.append(
             f"| {name} | {cell(ms['keras'])} | {cell(ms['accum_model'])} | "
+            f"{cell(noise_ms) if noise_ms else '-'} | "
             f"{cell(ms['keras_accumulation'])} | "
             f"{cell(r['ratio_vs_keras'], 3)} | "
+            f"{cell(noise_ratio, 3) if noise_ratio else '-'} | "
             f"{cell(r['ratio_vs_keras_accumulation'], 3)} | "
             f"{cell(r['control_ratio_vs_keras'], 3)} |"
         )
@@ -385,6 +408,14 @@ def report(results, out):
     for label, r in results["memory"].items():
         lines.append(f"| {label} | {r['peak_mib']:.0f} | "
                      f"{r['accumulator_mib']:.2f} |")
+    # Written in this order by `memory`: plain at the large batch, plain
+    # at the micro-batch, accumulating at the micro-batch.
+    _, micro_plain, accumulating = results["memory"].values()
+    expected = micro_plain["peak_mib"] + accumulating["accumulator_mib"]
+    lines += ["", "Plain Keras at the micro-batch plus the accumulators: "
+              f"{expected:.0f} MiB; accum_model measured "
+              f"{accumulating['peak_mib']:.0f} MiB "
+              f"({accumulating['peak_mib'] - expected:+.0f} MiB)."]
     fit = results["window_cost"]["fit"]
     lines += ["", "## Cost of one window against n_gradients (CNN)", "",
               "Medians over rounds; the last column is the straight-line fit "
@@ -425,6 +456,7 @@ def plot(results, path):
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.8))
     names = list(results["overhead"])
     bars = [("ratio_vs_keras", "accum_model vs keras"),
+            ("noise_ratio_vs_keras", "noise scale on vs keras"),
             ("ratio_vs_keras_accumulation",
              "accum_model vs keras gradient_accumulation_steps"),
             ("control_ratio_vs_keras", "control (n_gradients=1) vs keras")]
@@ -476,8 +508,9 @@ def main():
     parser.add_argument("--out", default=os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--intra-op-threads", type=int, default=1)
-    parser.add_argument("--models", nargs="+", default=["mlp", "cnn", "lstm"],
-                        help="models to time (default: all three)")
+    parser.add_argument("--models", nargs="+",
+                        default=["mlp", "cnn", "bn_cnn", "lstm"],
+                        help="models to time (default: all four)")
     parser.add_argument("--rounds", type=int,
                         help="interleaved timing rounds (default 15)")
     parser.add_argument("--overhead-only", action="store_true",

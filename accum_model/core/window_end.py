@@ -68,6 +68,10 @@ class WindowEnd:
         dtype = tf.float64 if any(
             s.dtype == tf.float64 for s in summed_sums) else tf.float32
 
+        # On one replica nothing crosses: the sums are used as they are,
+        # without the flat copy a collective needs.
+        single = self.strategy.num_replicas_in_sync == 1
+
         def local_window():
             parts = [tf.stack([
                 window.weight_sum, window.sample_sum,
@@ -76,20 +80,26 @@ class WindowEnd:
             if noise is not None:
                 parts.append(window.local_noise_estimates())
             parts.append(statistics.local_sums())
-            parts = [tf.cast(p, dtype) for p in parts]
-            parts += [tf.reshape(tf.cast(s, dtype), [-1]) for s in summed_sums]
-            return tf.concat(parts, 0)
+            totals = tf.cast(tf.concat(parts, 0), dtype)
+            sums = [tf.cast(s, dtype) for s in summed_sums]
+            if single:
+                return [totals] + sums
+            # One flat tensor: a list would travel as one collective per
+            # tensor under some strategies.
+            return [tf.concat([totals] + [tf.reshape(s, [-1]) for s in sums],
+                              0)]
 
-        # The window's only collective: one flat tensor holding its totals
-        # and its gradient sums (a list would travel as one collective per
-        # tensor under some strategies).
+        # The window's only collective: its totals and its gradient sums.
         reduced = replicas.sum_on_each_replica(local_window)
         totals_size = (4 + (ESTIMATES if noise is not None else 0)
                        + statistics.size)
         totals = tf.cast(
-            replicas.first_local(reduced)[:totals_size], tf.float32)
-        gradient_totals = replicas.for_each_replica(
-            _split_gradient_totals, reduced, totals_size, summed_sums)
+            replicas.first_local(reduced[0])[:totals_size], tf.float32)
+        if single:
+            gradient_totals = reduced[1:]
+        else:
+            gradient_totals = replicas.for_each_replica(
+                _split_gradient_totals, reduced[0], totals_size, summed_sums)
         noise_end = 4 + (ESTIMATES if noise is not None else 0)
         noise_totals = totals[4:noise_end]
         statistics_totals = totals[noise_end:]
