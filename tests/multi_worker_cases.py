@@ -55,6 +55,9 @@ CASES = {
     # Learning rate 0: the moving statistics of the windows are exactly
     # the large batch's (the forward pass is the same every epoch).
     "batch_statistics": (batch_norm_mlp, "mse", 0.0, 96, 3, "arrays"),
+    # Under mixed_float16: loss scaling, and the finiteness verdict of
+    # both workers in the window's reduction.
+    "mixed_precision": (mlp, "mse", 0.1, 96, 3, "arrays"),
     # Learning rate 0 and known halves: the noise scale is computable.
     "noise_scale": (linear_model, "mse", 0.0, 80, 3, "function"),
 }
@@ -83,7 +86,19 @@ def make_loss(name):
     return loss() if isinstance(loss, type) else loss
 
 
+def policy(name):
+    return "mixed_float16" if name == "mixed_precision" else "float32"
+
+
 def train_case(name, strategy, worker):
+    keras.mixed_precision.set_global_policy(policy(name))
+    try:
+        return _train_case(name, strategy)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def _train_case(name, strategy):
     build, _, learning_rate, samples, _, source = CASES[name]
     x, y = case_data(name)
     with strategy.scope():

@@ -178,3 +178,26 @@ def test_losses_keras_leaves_undivided_match_one_device(two_replicas, shape):
                                         shuffle=False, verbose=0)
     np.testing.assert_allclose(history.history["loss"],
                                one_device_history.history["loss"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["mirrored_one_device", "one_device"])
+def test_strategies_over_one_device_match_the_large_batch(kind):
+    # A strategy with a single replica has nothing to reduce: the window
+    # end uses its sums as they are, in either context.
+    strategy = (tf.distribute.MirroredStrategy(["/cpu:0"])
+                if kind == "mirrored_one_device"
+                else tf.distribute.OneDeviceStrategy("/cpu:0"))
+    x, y = regression_data(samples=100)
+
+    def optimizer():
+        return keras.optimizers.Adam(0.01, clipnorm=0.05)
+
+    plain = mlp(keras.Model)
+    plain.compile(optimizer=optimizer(), loss="mse")
+    plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    with strategy.scope():
+        model = mlp(AccumulatingModel, n_gradients=4)
+        model.compile(optimizer=optimizer(), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert iterations(model) == iterations(plain) == 8
+    assert max_weight_difference(plain, model) <= TOLERANCE

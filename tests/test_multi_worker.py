@@ -47,16 +47,6 @@ def test_two_workers_equal_one_process_with_a_short_last_window():
     assert report["vs_single_process_max_difference"] <= 1e-5
 
 
-def test_two_workers_under_mixed_precision():
-    code, report = run_example("--samples", "90", "--epochs", "3",
-                               "--mixed-precision")
-    assert code == 0, report
-    assert report["iterations"] == 9
-    assert report["workers_max_difference"] == 0.0
-    assert (report["vs_single_process_max_difference"]
-            <= 2 * report["float16_rounding_max_difference"] + 1e-6)
-
-
 def test_worker_failure_ends_in_bounded_time_and_the_window_resumes(
         tmp_path):
     # 13 micro-batches per epoch in windows of 4, carried over epoch ends:
@@ -117,16 +107,24 @@ def _worker_results(out, name):
     return weights, reports
 
 
-def _large_batch_weights(name):
+def _large_batch_weights(name, policy=None):
     """Plain Keras on one device, one step per window of 32 samples."""
     build, _, learning_rate, _, _, _ = cases.CASES[name]
     x, y = cases.case_data(name)
-    plain = build(keras.Model)
-    plain.compile(optimizer=keras.optimizers.SGD(learning_rate),
-                  loss=cases.make_loss(name))
-    plain.fit(x, y, batch_size=cases.MICRO_BATCH * cases.N_GRADIENTS,
-              epochs=cases.EPOCHS, shuffle=False, verbose=0)
+    keras.mixed_precision.set_global_policy(policy or cases.policy(name))
+    try:
+        plain = build(keras.Model)
+        plain.compile(optimizer=keras.optimizers.SGD(learning_rate),
+                      loss=cases.make_loss(name))
+        plain.fit(x, y, batch_size=cases.MICRO_BATCH * cases.N_GRADIENTS,
+                  epochs=cases.EPOCHS, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
     return plain.get_weights(), int(plain.optimizer.iterations.numpy())
+
+
+def _max_difference(first, second):
+    return max(float(np.max(np.abs(a - b))) for a, b in zip(first, second))
 
 
 @pytest.mark.parametrize("name", [n for n in cases.CASES
@@ -138,8 +136,13 @@ def test_two_workers_equal_one_device(two_worker_cases, name):
     expected, expected_iterations = _large_batch_weights(name)
     assert report["iterations"] == expected_iterations
     assert all(np.all(np.isfinite(w)) for w in first)
-    assert max(float(np.max(np.abs(a - b)))
-               for a, b in zip(first, expected)) <= 1e-5
+    tolerance = 1e-5
+    if cases.policy(name) == "mixed_float16":
+        # Read against how far float16 rounding alone moves the large
+        # batch (the large batch under float32).
+        float32_weights, _ = _large_batch_weights(name, "float32")
+        tolerance = 2 * _max_difference(expected, float32_weights) + 1e-6
+    assert _max_difference(first, expected) <= tolerance
 
 
 def _noise_scale_of_the_workers_windows(kernel, bias, x, y):

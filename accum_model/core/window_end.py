@@ -90,7 +90,10 @@ class WindowEnd:
                               0)]
 
         # The window's only collective: its totals and its gradient sums.
-        reduced = replicas.sum_on_each_replica(local_window)
+        if single:
+            reduced = replicas.for_each_replica(local_window)
+        else:
+            reduced = replicas.sum_on_each_replica(local_window)
         totals_size = (4 + (ESTIMATES if noise is not None else 0)
                        + statistics.size)
         totals = tf.cast(
