@@ -17,9 +17,9 @@ its Keras's way of doing each duty, with the same methods: `is_built`,
 `build`, `apply`, `scale_loss`, `unscale_gradients`, `after_update`,
 `after_overflow`, `summed_gradients` (see there), and the attributes
 `applies_summed_gradients` (whether the optimizer can be kept from summing
-gradients over replicas) and `counts_skipped_steps` (whether a window skipped for overflow advances
-the optimizer's `iterations`, as that Keras's `LossScaleOptimizer` does for
-a skipped step).
+gradients over replicas) and `counts_skipped_steps` (whether a window
+skipped for overflow advances the optimizer's `iterations`, as that Keras's
+`LossScaleOptimizer` does for a skipped step).
 """
 
 import contextlib

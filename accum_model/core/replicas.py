@@ -20,9 +20,9 @@ def for_each_replica(fn, *args):
 def sum_on_each_replica(fn):
     """Sums what `fn()` computes on each replica; one all-reduce.
 
-    `fn` returns a tensor or a list of tensors of one dtype, which travel
-    in a single collective. The same replica-context all-reduce the
-    optimizer uses for gradients, from either context. Returns each
+    `fn` returns one tensor (a list may travel as one collective per
+    tensor). The same replica-context all-reduce the optimizer uses for
+    gradients, from either context. Returns each
     replica's copy of the sum: a tensor (list) in replica context, per
     replica values in cross-replica context, for `for_each_replica` to
     hand each replica its own.

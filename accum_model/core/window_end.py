@@ -6,6 +6,7 @@ gradient sums together with its weight, samples, finiteness, loss sum,
 noise-scale estimates and pooled batch statistics.
 """
 
+import contextlib
 import functools
 
 import tensorflow as tf
@@ -68,9 +69,8 @@ class WindowEnd:
         dtype = tf.float64 if any(
             s.dtype == tf.float64 for s in summed_sums) else tf.float32
 
-        # On one replica nothing crosses: the sums are used as they are,
-        # without the flat copy a collective needs.
-        single = self.strategy.num_replicas_in_sync == 1
+        noise_end = 4 + (ESTIMATES if noise is not None else 0)
+        totals_size = noise_end + statistics.size
 
         def local_window():
             parts = [tf.stack([
@@ -81,29 +81,28 @@ class WindowEnd:
                 parts.append(window.local_noise_estimates())
             parts.append(statistics.local_sums())
             totals = tf.cast(tf.concat(parts, 0), dtype)
-            sums = [tf.cast(s, dtype) for s in summed_sums]
-            if single:
-                return [totals] + sums
+            return totals, [tf.cast(s, dtype) for s in summed_sums]
+
+        def flat_local_window():
             # One flat tensor: a list would travel as one collective per
             # tensor under some strategies.
-            return [tf.concat([totals] + [tf.reshape(s, [-1]) for s in sums],
-                              0)]
+            totals, sums = local_window()
+            return tf.concat([totals] + [tf.reshape(s, [-1]) for s in sums],
+                             0)
 
-        # The window's only collective: its totals and its gradient sums.
-        if single:
-            reduced = replicas.for_each_replica(local_window)
+        if self.strategy.num_replicas_in_sync == 1:
+            # Nothing crosses: the sums are used as they are, without the
+            # flat copy a collective needs.
+            local_totals, gradient_totals = replicas.for_each_replica(
+                local_window)
+            totals = replicas.first_local(local_totals)
         else:
-            reduced = replicas.sum_on_each_replica(local_window)
-        totals_size = (4 + (ESTIMATES if noise is not None else 0)
-                       + statistics.size)
-        totals = tf.cast(
-            replicas.first_local(reduced[0])[:totals_size], tf.float32)
-        if single:
-            gradient_totals = reduced[1:]
-        else:
+            # The window's only collective: its totals and gradient sums.
+            reduced = replicas.sum_on_each_replica(flat_local_window)
+            totals = replicas.first_local(reduced)[:totals_size]
             gradient_totals = replicas.for_each_replica(
-                _split_gradient_totals, reduced[0], totals_size, summed_sums)
-        noise_end = 4 + (ESTIMATES if noise is not None else 0)
+                _split_gradient_totals, reduced, totals_size, summed_sums)
+        totals = tf.cast(totals, tf.float32)
         noise_totals = totals[4:noise_end]
         statistics_totals = totals[noise_end:]
         total_weight, total_samples = totals[0], totals[1]
@@ -114,11 +113,9 @@ class WindowEnd:
         finite = tf.equal(totals[2], float(num_replicas))
 
         def update():
-            if scaling.applies_summed_gradients:
-                with scaling.summed_gradients():
-                    replicas.for_each_replica(self._apply_window_gradient,
-                                              total_weight, gradient_totals)
-            else:
+            with (scaling.summed_gradients()
+                  if scaling.applies_summed_gradients
+                  else contextlib.nullcontext()):
                 replicas.for_each_replica(self._apply_window_gradient,
                                           total_weight, gradient_totals)
             scaling.after_update()
@@ -212,7 +209,6 @@ def _apply_open_window(window_end):
     window_end.strategy.run(
         lambda: window_end.end_if(window_end.window.micro_steps > 0)
     )
-
 
 
 def _split_gradient_totals(reduced, start, summed_sums):

@@ -55,8 +55,8 @@ class LossScaling(OptimizerDuties):
 
     @property
     def applies_summed_gradients(self):
-        """Whether `apply(..., summed=True)` can skip the optimizer's own
-        sum over replicas (its TensorFlow optimizer has the hook)."""
+        """Whether `summed_gradients()` can keep the optimizer from summing
+        over replicas (its TensorFlow optimizer has the hook)."""
         return callable(getattr(self.update_optimizer, _REPLICA_SUM, None))
 
     def apply(self, gradients, variables):
