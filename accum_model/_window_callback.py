@@ -14,7 +14,10 @@ class WindowCallback(keras.callbacks.Callback):
     `on_epoch_end`, when `flush_each_epoch` is set, the epoch is the last,
     or training stops. Writes `skipped_windows` into the epoch's logs after
     such an application, so an overflow skipped there shows in the progress
-    bar and the history, and the epoch's `noise_scale` when it is measured.
+    bar and the history, and the epoch's `noise_scale` when it is measured
+    (NaN in an epoch that measured none, so that every epoch has one).
+    An epoch in which no window ended logs as its `loss` the loss of the
+    micro-batches it ran, weighted as their window weighs them.
 
     Args:
         accumulating_model: The `AccumulatingModel` being fitted.
@@ -26,6 +29,8 @@ class WindowCallback(keras.callbacks.Callback):
         self.accumulating_model = accumulating_model
         self.epochs = epochs
         self._epoch = None
+        # The open window's loss totals as the epoch began.
+        self._loss_start = (0.0, 0.0, 0)
 
     @classmethod
     def added_to_fit_arguments(cls, model, args, kwargs):
@@ -79,14 +84,17 @@ class WindowCallback(keras.callbacks.Callback):
                 steps, adapter.steps_per_execution(model)
             )
         model._accumulation.start_epoch(steps, epoch)
+        if not model.flush_each_epoch:
+            # A window may run through this epoch without ending in it.
+            self._loss_start = model._accumulation.loss_totals()
 
     def on_test_begin(self, logs=None):
         if self._epoch is not None:
             self.apply_if_epoch_ends_window()
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.apply_if_epoch_ends_window():
-            self.log_window_loss(logs)
+        self.apply_if_epoch_ends_window()
+        self.log_window_loss(logs)
         self.log_skipped_windows(logs)
         self.log_noise_scale(logs)
 
@@ -108,16 +116,30 @@ class WindowCallback(keras.callbacks.Callback):
         return False
 
     def log_window_loss(self, logs):
-        """Keras read the epoch's loss before the window applied here was:
-        the epoch's logs get the loss with that window in it."""
-        loss = adapter.logged_loss(self.accumulating_model)
-        if logs is not None and "loss" in logs and loss is not None:
+        """Writes the epoch's loss into its logs.
+
+        Keras read it before a window applied at the epoch's end was: the
+        logs get the loss with that window in it. In an epoch where no
+        window ended (a window longer than the epoch), Keras's tracker is
+        empty and would log 0.0: the logs get the loss of the epoch's
+        micro-batches instead.
+        """
+        if logs is None or "loss" not in logs:
+            return
+        model = self.accumulating_model
+        loss = adapter.logged_loss(model)
+        if loss is None:
+            loss = model._accumulation.loss_since(self._loss_start)
+        if loss is not None:
             logs["loss"] = loss
 
     def log_noise_scale(self, logs):
-        noise_scale = self.accumulating_model._accumulation.noise_scale()
-        if logs is not None and noise_scale is not None:
-            logs["noise_scale"] = noise_scale
+        model = self.accumulating_model
+        if logs is None or not model.measure_noise_scale:
+            return
+        noise_scale = model._accumulation.noise_scale()
+        logs["noise_scale"] = (float("nan") if noise_scale is None
+                               else noise_scale)
 
     def log_skipped_windows(self, logs):
         model = self.accumulating_model

@@ -78,11 +78,12 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
 
     Under mixed precision (`LossScaleOptimizer`), each micro step scales its
     loss with `get_scaled_loss` (by the dynamic scale over the window's
-    length, so that it overflows where the large batch would) and unscales
-    its gradients with `get_unscaled_gradients` before accumulating them. A
-    window in which any gradient overflowed, on any replica, is skipped as a
-    whole and lowers the loss scale once; `skipped_windows` counts such
-    windows.
+    length and the replicas, so that it overflows where the large batch
+    would) and unscales its gradients with `get_unscaled_gradients` before
+    accumulating them. A window in which any gradient overflowed, on any
+    replica, or whose float16 gradient sum would overflow in the large
+    batch, is skipped as a whole and lowers the loss scale once;
+    `skipped_windows` counts such windows.
 
     Args:
         n_gradients: Int >= 1. Number of micro-batches whose gradients make
@@ -244,9 +245,10 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
 
         Multiplies by the optimizer's `loss_scale_factor`, if set, and with a
         `LossScaleOptimizer` by its current dynamic scale divided by the
-        window's length: a micro-batch's per-sample terms in the backward
-        pass are then the large batch's, so it overflows where the large
-        batch would. Otherwise returns `loss` unchanged.
+        window's length and the number of replicas: a micro-batch's
+        per-sample terms in the backward pass are then the large batch's,
+        so it overflows where the large batch would. Otherwise returns
+        `loss` unchanged.
 
         Args:
             loss: Scalar tensor, the micro-batch loss from `compute_loss`.
@@ -359,6 +361,8 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
             accumulation.set_up(
                 adapter.LossScaling(self.optimizer), self.run_eagerly,
                 report_loss=functools.partial(adapter.track_loss, self),
+                float16_gradients=functools.partial(
+                    adapter.float16_gradient_flags, self),
             )
         super().make_train_function(force)
         if accumulation.accumulates:

@@ -1,5 +1,7 @@
 """Windows and `fit()`'s epochs: executions, validation, stops, EMA, reruns."""
 
+import csv
+
 import keras
 import numpy as np
 import pytest
@@ -234,3 +236,89 @@ def test_n_gradients_cannot_change_with_a_window_open():
     model.apply_open_window()
     model.n_gradients = 2
     assert model.n_gradients == 2
+
+
+class _LossAtEpochEnd(keras.callbacks.Callback):
+    """The mean squared error of all the data at each epoch's end, and the
+    updates applied by then."""
+
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y = x, y
+        self.losses, self.updates = [], []
+
+    def on_epoch_end(self, epoch, logs=None):
+        predictions = np.asarray(self.model(self.x, training=False))
+        self.losses.append(float(np.mean((predictions - self.y) ** 2)))
+        self.updates.append(iterations(self.model))
+
+
+def test_an_epoch_in_which_no_window_ends_logs_its_micro_batches_loss(
+        tmp_path):
+    # 10 micro-batches an epoch, windows of 16 carried across epochs: no
+    # window ends in epochs 0 and 2, so nothing moves the weights in them,
+    # and their loss is that of all the data at the epoch's end. Before,
+    # they logged 0.0, and EarlyStopping/ModelCheckpoint acted on it.
+    x, y = regression_data(samples=80)
+    model = mlp(AccumulatingModel, n_gradients=16, flush_each_epoch=False,
+                measure_noise_scale=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    at_end = _LossAtEpochEnd(x, y)
+    csv_path = tmp_path / "log.csv"
+    history = model.fit(
+        x, y, batch_size=8, epochs=4, shuffle=False, verbose=0,
+        callbacks=[at_end, keras.callbacks.CSVLogger(csv_path)],
+    ).history
+    assert at_end.updates == [0, 1, 1, 3]
+    assert len(history["loss"]) == 4
+    np.testing.assert_allclose([history["loss"][k] for k in (0, 2)],
+                               [at_end.losses[k] for k in (0, 2)], rtol=1e-5)
+    assert min(history["loss"]) > 0.0
+    # One noise scale per epoch: NaN where no window ended, so the list and
+    # CSVLogger's column line up with the epochs.
+    assert np.isnan(history["noise_scale"]).tolist() == [True, False, True,
+                                                        False]
+    with open(csv_path) as rows:
+        rows = list(csv.DictReader(rows))
+    assert [int(row["epoch"]) for row in rows] == [0, 1, 2, 3]
+    np.testing.assert_allclose([float(row["loss"]) for row in rows],
+                               history["loss"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("flush_each_epoch", [True, False])
+def test_a_fit_shorter_than_one_window_logs_the_large_batchs_loss(
+        flush_each_epoch):
+    x, y = regression_data(samples=80)
+    model = mlp(AccumulatingModel, n_gradients=16,
+                flush_each_epoch=flush_each_epoch)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    before = _LossAtEpochEnd(x, y)
+    before.set_model(model)
+    before.on_epoch_end(0)
+    history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False,
+                        verbose=0).history
+    plain = mlp(keras.Model)
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    plain_history = plain.fit(x, y, batch_size=80, epochs=1, shuffle=False,
+                              verbose=0).history
+    assert iterations(model) == 1
+    np.testing.assert_allclose(history["loss"], plain_history["loss"],
+                               rtol=1e-5)
+    np.testing.assert_allclose(history["loss"], before.losses, rtol=1e-5)
+    assert max_weight_difference(plain, model) <= 1e-6
+
+
+def test_early_stopping_on_loss_sees_real_losses():
+    # Windows longer than an epoch: with a loss of 0.0 logged for epochs
+    # without a window end, EarlyStopping(patience=1) stopped after 2 epochs.
+    x, y = regression_data(samples=80)
+    model = mlp(AccumulatingModel, n_gradients=16, flush_each_epoch=False)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    history = model.fit(
+        x, y, batch_size=8, epochs=6, shuffle=False, verbose=0,
+        callbacks=[keras.callbacks.EarlyStopping(monitor="loss",
+                                                 patience=1)],
+    ).history
+    losses = history["loss"]
+    assert len(losses) == 6, losses
+    assert all(later < earlier for earlier, later in zip(losses, losses[1:]))

@@ -356,6 +356,20 @@ def test_window_carried_over_epochs_equals_its_samples_in_one_batch():
     assert max_weight_difference(model, reference) <= TOLERANCE
 
 
+def test_an_epoch_in_which_no_window_ends_logs_its_micro_batches_loss():
+    # Windows of 16 over epochs of 10 micro-batches: no window ends in
+    # epoch 0, so its loss is all the data's at the initial weights.
+    x, y = regression_data(samples=80)
+    model = mlp(AccumulatingModel, n_gradients=16, flush_each_epoch=False)
+    model.compile(optimizer=OPTIMIZERS["sgd"](), loss="mse")
+    initial = float(np.mean((model.predict(x, verbose=0) - y) ** 2))
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                        verbose=0).history
+    assert iterations(model) == 2
+    np.testing.assert_allclose(history["loss"][0], initial, rtol=1e-5)
+    assert history["loss"][1] > 0.0
+
+
 def test_data_of_unknown_length_applies_the_last_window():
     x, y = regression_data(samples=100)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
@@ -823,6 +837,41 @@ def test_micro_batches_do_not_overflow_before_the_large_batch():
     assert iterations(plain) == iterations(model) == 9
     assert model.skipped_windows == 0
     assert max_weight_difference(plain, model) <= 1e-3
+
+
+def _two_relu_layers(model_class, **kwargs):
+    tf.keras.utils.set_random_seed(1)
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(32, activation="relu")(inputs)
+    hidden = keras.layers.Dense(32, activation="relu")(hidden)
+    return model_class(inputs, keras.layers.Dense(1)(hidden), **kwargs)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_window_overflows_where_the_large_batchs_float16_sum_does(
+        replicas, two_replicas):
+    # Inputs x30, targets x20: the large batch's float16 weight gradient (a
+    # sum over 32 samples) overflows at scales where each micro-batch's sum
+    # over 8 does not; the window skips where the large batch does.
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(512, 8)) * 30).astype("float32")
+    y = (rng.normal(size=(512, 1)) * 20).astype("float32")
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    plain = _two_relu_layers(keras.Model)
+    plain.compile(optimizer=keras.optimizers.SGD(1e-7), loss="mse")
+    plain.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    strategy = two_replicas if replicas == 2 else tf.distribute.get_strategy()
+    with strategy.scope():
+        model = _two_relu_layers(AccumulatingModel, n_gradients=4)
+        model.compile(optimizer=keras.optimizers.SGD(1e-7), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    # Keras 2 counts a skipped step in `iterations`: compare the scales and
+    # the weights, which move only on applied steps.
+    assert iterations(plain) == iterations(model) == 16
+    assert float(plain.optimizer.loss_scale) < 2.0**14
+    assert float(model.optimizer.loss_scale) == float(
+        plain.optimizer.loss_scale)
+    assert max_weight_difference(plain, model) <= 1e-5
 
 
 @pytest.mark.parametrize("settings", SETTINGS)

@@ -1,5 +1,7 @@
 """Mixed precision: loss scaled per micro-batch, overflow skips the window."""
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -390,3 +392,52 @@ def test_micro_batches_overflow_where_the_large_batch_does(target,
         plain.optimizer.dynamic_scale.numpy())
     rounding = max_weight_difference(plain, models["float32"])
     assert max_weight_difference(plain, accumulating) <= 2 * rounding + 1e-6
+
+
+def _scaled_data(data_scale, seed=0):
+    rng = np.random.default_rng(seed)
+    x = (rng.normal(size=(512, 8)) * 1.5 * data_scale).astype("float32")
+    y = (rng.normal(size=(512, 1)) * data_scale).astype("float32")
+    return x, y
+
+
+def _two_relu_layers(model_class, **kwargs):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(32, activation="relu")(inputs)
+    hidden = keras.layers.Dense(32, activation="relu")(hidden)
+    return model_class(inputs=inputs, outputs=keras.layers.Dense(1)(hidden),
+                       **kwargs)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("data_scale, overflows", [(20.0, True),
+                                                   (0.1, False)])
+def test_window_overflows_where_the_large_batchs_float16_sum_does(
+        request, replicas, data_scale, overflows):
+    # The large batch sums its 32 samples' weight-gradient terms in float16:
+    # with inputs x30 and targets x20 that sum leaves float16's range at
+    # scales where each micro-batch's sum of 8 does not. The window must
+    # skip those windows too (and so lower the scale where the large batch
+    # does).
+    x, y = _scaled_data(data_scale)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        plain = _two_relu_layers(keras.Model)
+        plain.compile(optimizer=keras.optimizers.SGD(1e-7), loss="mse")
+        plain.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        scope = (request.getfixturevalue("two_replicas").scope()
+                 if replicas == 2 else contextlib.nullcontext())
+        with scope:
+            model = _two_relu_layers(AccumulatingModel, n_gradients=4)
+            model.compile(optimizer=keras.optimizers.SGD(1e-7), loss="mse")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    plain_skips = 16 - iterations(plain)
+    assert (plain_skips > 0) == overflows
+    assert model.skipped_windows == plain_skips
+    assert iterations(model) == iterations(plain)
+    assert float(model.optimizer.dynamic_scale.numpy()) == float(
+        plain.optimizer.dynamic_scale.numpy())
+    assert max_weight_difference(plain, model) <= 1e-5

@@ -60,6 +60,7 @@ class Accumulation:
         self._epoch_steps = -1
         self._run_eagerly = False
         self._report_loss = None
+        self._float16_gradients = None
         self._warned = set()
 
     def warn_once(self, message):
@@ -141,6 +142,40 @@ class Accumulation:
             return self.checkpoint.pending_count("skipped_windows")
         return int(self.window.skipped_windows.numpy())
 
+    def loss_totals(self):
+        """The open window's loss sum, weight sum (over replicas) and micro
+        steps, eagerly: zeros without a window. See `loss_since`."""
+        window = self.window
+        if window is None:
+            return 0.0, 0.0, 0
+        return (float(window.loss_sum.read_value().numpy()),
+                float(window.weight_sum.read_value().numpy()),
+                self.open_micro_steps())
+
+    def loss_since(self, start):
+        """The loss of the micro-batches added since `start` (eagerly).
+
+        Weighted as their window weighs them: the loss of those
+        micro-batches as one batch, a part of the open window. Valid while
+        no window ended since `start` was read from `loss_totals()`.
+
+        Returns:
+            A float, or None where no micro step was added or none handed in
+            its loss (a `train_step` of the user's own logs its own).
+        """
+        window = self.window
+        if window is None or not window.tracks_loss:
+            return None
+        loss_sum, weight_sum, micro_steps = (
+            now - before for now, before in zip(self.loss_totals(), start)
+        )
+        if micro_steps <= 0:
+            return None
+        if not self.window_end.divide_by_weight:
+            return loss_sum
+        # Every element masked: 0, as Keras's `divide_no_nan` logs it.
+        return loss_sum / weight_sum if weight_sum else 0.0
+
     def noise_scale(self):
         """Float, the gradient noise scale measured in the current epoch.
 
@@ -172,12 +207,14 @@ class Accumulation:
         return updates
 
     def micro_batch_share(self):
-        """Float32 scalar: the part of its window one micro-batch is, 1/n.
+        """Float32 scalar: the part of its window one replica's micro-batch
+        is, 1/(n * replicas).
 
         n is the window's length, or the micro steps the epoch has left when
         those are fewer. Loss scaling multiplies by it, so that a
-        micro-batch's backward pass holds the large batch's per-sample terms.
-        1 before the window exists.
+        micro-batch's backward pass holds the large batch's per-sample terms
+        (each replica's loss is the mean over its own share of the
+        micro-batch). 1 before the window exists.
         """
         window = self.window
         if window is None:
@@ -189,7 +226,9 @@ class Accumulation:
         expected = tf.where(
             left >= 0, tf.minimum(length, window.micro_steps + left), length
         )
-        return 1.0 / tf.cast(tf.maximum(expected, 1), tf.float32)
+        replicas_in_sync = window.strategy.num_replicas_in_sync
+        return 1.0 / tf.cast(tf.maximum(expected, 1) * replicas_in_sync,
+                             tf.float32)
 
     def accumulator_bytes(self):
         """Int. Bytes held by one replica's accumulators."""
@@ -197,7 +236,8 @@ class Accumulation:
 
     # Set-up ----------------------------------------------------------------
 
-    def set_up(self, loss_scaling, run_eagerly, report_loss=None):
+    def set_up(self, loss_scaling, run_eagerly, report_loss=None,
+               float16_gradients=None):
         """Decides, once per compiled set-up, how windows are applied.
 
         Args:
@@ -205,10 +245,14 @@ class Accumulation:
             run_eagerly: Bool. Whether the model trains eagerly.
             report_loss: Callable `(loss, samples)` that logs a window's
                 loss (replica context), or None.
+            float16_gradients: Callable taking the trainable variables and
+                returning, for each, whether the large batch's gradient of
+                it is float16; or None (none is).
         """
         self.loss_scaling = loss_scaling
         self._run_eagerly = run_eagerly
         self._report_loss = report_loss
+        self._float16_gradients = float16_gradients
         if self.window is not None:
             self.window_end = self._make_window_end(self.window)
 
@@ -285,9 +329,13 @@ class Accumulation:
                 self.window_end = self._make_window_end(self.window)
 
     def _make_window_end(self, window):
+        float16_gradients = None
+        if self.loss_scaling.active and self._float16_gradients is not None:
+            float16_gradients = self._float16_gradients(
+                window.trainable_variables)
         return WindowEnd.for_window(
             window, self.loss_scaling, self._run_eagerly,
-            self.settings.may_overflow, self._report_loss,
+            self.settings.may_overflow, self._report_loss, float16_gradients,
         )
 
     # Training --------------------------------------------------------------

@@ -8,9 +8,12 @@ mean gradient with the *inner* optimizer, then moves the dynamic scale
 exactly as the `LossScaleOptimizer` would after one step on the large batch.
 
 A micro-batch's loss is scaled by the dynamic scale times its share of the
-window (1/n for a window of n), so that its per-sample terms in the backward
-pass are the large batch's: a micro-batch overflows where the large batch
-would, not earlier. Its gradients are unscaled by the inverse.
+window (1/(n*r) for a window of n on r replicas, each replica's loss being a
+mean over its own part of the micro-batch), so that its per-sample terms in
+the backward pass are the large batch's: a micro-batch overflows where the
+large batch would, not earlier. Its gradients are unscaled by the inverse.
+The window end also skips a window whose summed float16 gradient, scaled,
+leaves float16's range where the large batch's would (`WindowEnd`).
 
 Each Keras adapter's `LossScaling` subclasses `OptimizerDuties` and fills in
 its Keras's way of doing each duty, with the same methods: `is_built`,

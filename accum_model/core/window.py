@@ -212,9 +212,14 @@ class GradientWindow:
         """The accumulators summed over replicas when the window ends: those
         of variables with a gradient, but not those Keras overwrites with
         their gradient (each replica keeps its own largest value)."""
+        return self.of_summed(self.gradient_sums)
+
+    def of_summed(self, per_variable):
+        """The entries of `per_variable` (one per trainable variable) that
+        belong to `summed_gradient_sums()`, in its order."""
         return [
-            s for s, used, overwrite in zip(
-                self.gradient_sums, self.has_gradient, self.overwrite)
+            item for item, used, overwrite in zip(
+                per_variable, self.has_gradient, self.overwrite)
             if used and not overwrite
         ]
 

@@ -14,6 +14,10 @@ import tensorflow as tf
 from accum_model.core import replicas
 from accum_model.core.noise_scale import ESTIMATES
 
+# The smallest magnitude float16 rounds to infinity (its largest finite
+# value, 65504, plus half of its last step, 32).
+FLOAT16_OVERFLOW = 65520.0
+
 
 class WindowEnd:
     """Applies, skips or discards the window that `window` holds.
@@ -28,26 +32,34 @@ class WindowEnd:
         report_loss: Callable `(loss, samples)`, run in replica context for
             each window that saw samples, with the window's loss (the large
             batch's) and the replica's samples in it; or None.
+        float16_gradients: List of bools, one per trainable variable of
+            the window: whether the large batch's gradient of it is float16
+            (its layer computes in float16), so that the large batch
+            overflows where that gradient, scaled, leaves float16's range;
+            or None.
     """
 
     def __init__(self, window, loss_scaling, strategy, run_eagerly,
-                 accumulators_may_overflow=False, report_loss=None):
+                 accumulators_may_overflow=False, report_loss=None,
+                 float16_gradients=None):
         self.window = window
         self.loss_scaling = loss_scaling
         self.strategy = strategy
         self.run_eagerly = run_eagerly
         self.checks_finite = loss_scaling.active or accumulators_may_overflow
         self.report_loss = report_loss
+        self.float16_gradients = float16_gradients
         # False for losses reduced with "sum": the window is their sum.
         self.divide_by_weight = True
         self._apply_open_functions = {}
 
     @classmethod
     def for_window(cls, window, loss_scaling, run_eagerly,
-                   accumulators_may_overflow, report_loss=None):
+                   accumulators_may_overflow, report_loss=None,
+                   float16_gradients=None):
         """The window end of a compiled set-up (see the class's arguments)."""
         return cls(window, loss_scaling, window.strategy, run_eagerly,
-                   accumulators_may_overflow, report_loss)
+                   accumulators_may_overflow, report_loss, float16_gradients)
 
     def end_if(self, should_end):
         """From replica context: ends the window when `should_end` holds."""
@@ -111,6 +123,9 @@ class WindowEnd:
         window_loss = tf.math.divide_no_nan(totals[3], total_weight)
         num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
         finite = tf.equal(totals[2], float(num_replicas))
+        if self.checks_finite:
+            finite = tf.logical_and(finite, self._fits_float16(
+                total_weight, gradient_totals))
 
         def update():
             with (scaling.summed_gradients()
@@ -153,6 +168,33 @@ class WindowEnd:
         tf.cond(total_samples > 0, replicas.without_result(report_and_apply),
                 replicas.do_nothing)
         replicas.for_each_replica(window.reset)
+
+    def _fits_float16(self, total_weight, gradient_totals):
+        """Whether the large batch's float16 gradients stay in float16.
+
+        The large batch sums its samples' gradient terms in float16 for a
+        variable used in float16: a window whose micro-batches each stay in
+        range can still sum, scaled, past float16's largest value, and the
+        large batch would then skip its step. Its scaled gradient is the
+        window's sum times the loss scale over the window's weight. Every
+        replica holds the same summed totals, so the verdict needs no
+        communication.
+        """
+        flags = self.window.of_summed(
+            self.float16_gradients or [False] * len(self.window.has_gradient))
+        if not any(flags):
+            return tf.constant(True)
+
+        def largest(totals):
+            return tf.reduce_max(tf.stack([
+                tf.cast(tf.reduce_max(tf.abs(total)), tf.float32)
+                for total, flag in zip(totals, flags) if flag
+            ]))
+
+        largest_sum = replicas.first_local(
+            replicas.for_each_replica(largest, gradient_totals))
+        scale = self.loss_scaling.current_scale()
+        return largest_sum * scale < FLOAT16_OVERFLOW * total_weight
 
     def _apply_window_gradient(self, total_weight, gradient_totals):
         """Replica context: hands the window gradient to the optimizer.

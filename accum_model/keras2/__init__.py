@@ -20,6 +20,7 @@ from accum_model.keras2.optimizer import LossScaling
 from accum_model.keras2.normalization import pools_moving_statistics
 from accum_model.keras2.normalization import recording_batch_statistics
 from accum_model.keras2.optimizer import check_optimizer
+from accum_model.keras2.optimizer import float16_gradient_flags
 from accum_model.keras2.saving import Functional
 from accum_model.keras2.saving import WindowCheckpoint
 from accum_model.keras2.saving import clones_through_constructor
@@ -52,6 +53,7 @@ __all__ = [
     "clones_through_constructor",
     "compute_loss",
     "executions_stop_cleanly_at_end_of_data",
+    "float16_gradient_flags",
     "functional_constructor_signature",
     "foreign_variables_in_graph",
     "get_keras_mask",

@@ -9,6 +9,8 @@ then `compute_weighted_loss`). Checked on tf_keras 2.21.0 / TF 2.21.0, keras
 
 import contextlib
 
+import tensorflow as tf
+
 from accum_model.core import divisor
 from accum_model.core.patch import identity
 from accum_model.core.patch import replaced
@@ -65,9 +67,13 @@ def track_loss(model, loss, batch_size):
 
 
 def logged_loss(model):
-    """The "loss" `fit()` logs now, or None."""
+    """The "loss" `fit()` logs now, or None when no loss was logged since
+    the metric was reset (the epoch began)."""
     metric = _logged_loss_metric(model)
-    return None if metric is None else float(metric.result())
+    # Under a strategy the count is synchronised on read: read a tensor.
+    if metric is None or float(_value(metric.count)) == 0.0:
+        return None
+    return float(metric.result())
 
 
 def losses_not_divided_by_replicas():
@@ -114,3 +120,8 @@ def recording_loss_reductions():
     with replaced(_losses_utils, {"apply_valid_mask": noting_mask,
                                   "compute_weighted_loss": recording}):
         yield records
+
+
+def _value(variable):
+    """A variable's value as a tensor (summed over replicas)."""
+    return tf.convert_to_tensor(variable)

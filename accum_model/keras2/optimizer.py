@@ -20,8 +20,32 @@ from accum_model.keras2.package import keras
 from accum_model.keras2.package import src
 
 _optimizer_v2 = src("optimizers.legacy.optimizer_v2")
+_autocast_variable = src("mixed_precision.autocast_variable")
 
-__all__ = ["LossScaling", "check_optimizer"]
+__all__ = ["LossScaling", "check_optimizer", "float16_gradient_flags"]
+
+
+def float16_gradient_flags(model, variables):
+    """For each of `variables`, whether the large batch's gradient of it is
+    float16 (and so overflows above float16's range).
+
+    Keras 2 wraps the float32 variables of a layer computing in float16 in
+    an `AutoCastVariable`, read as float16 inside the layer's call (unless
+    the layer's private `_autocast` is off); its gradient is float16 until
+    cast back. A layer's own variables are its private `_trainable_weights`.
+    Checked on tf_keras 2.21.0.
+    """
+    autocast = set()
+    for layer in [model] + list(model._flatten_layers(include_self=False)):
+        if (getattr(layer, "_autocast", True)
+                and layer.compute_dtype == "float16"):
+            autocast.update(
+                id(v) for v in getattr(layer, "_trainable_weights", ()))
+    return [
+        id(v) in autocast
+        and isinstance(v, _autocast_variable.AutoCastVariable)
+        for v in variables
+    ]
 
 
 def check_optimizer(optimizer, strategy):
@@ -82,6 +106,10 @@ class LossScaling(OptimizerDuties):
             return gradients
         unscaled = self.loss_scale_optimizer.get_unscaled_gradients(gradients)
         return scaled_gradients(unscaled, 1.0 / share)
+
+    def current_scale(self):
+        """The scale in force now, as a float32 tensor."""
+        return tf.cast(self.loss_scale_optimizer.loss_scale, tf.float32)
 
     def _dynamic_state(self):
         lso = self.loss_scale_optimizer

@@ -57,9 +57,13 @@ def loss_logged_by_window(model):
 
 
 def logged_loss(model):
-    """The "loss" `fit()` logs now (the `_loss_tracker`'s mean), or None."""
+    """The "loss" `fit()` logs now (the `_loss_tracker`'s mean), or None
+    when no loss was logged since the tracker was reset (the epoch began)."""
     tracker = getattr(model, "_loss_tracker", None)
-    return None if tracker is None else float(tracker.result())
+    # Under a strategy the count is synchronised on read: read a tensor.
+    if tracker is None or float(_value(tracker.count)) == 0.0:
+        return None
+    return float(tracker.result())
 
 
 def losses_not_divided_by_replicas():
@@ -129,3 +133,8 @@ def _merged_sample_weight(values, sample_weight, mask, reduction):
         values, weights
     )
     return tf.cast(weights, tf.float32)
+
+
+def _value(variable):
+    """A Keras variable's value as a tensor (summed over replicas)."""
+    return tf.convert_to_tensor(getattr(variable, "value", variable))
