@@ -10,12 +10,11 @@ model's MRO is found by `class_tree.accumulating_base`.
 import difflib
 import warnings
 
-import tensorflow as tf
-
 from accum_model._chooser import adapter
 from accum_model.core import class_tree
 from accum_model.core.messages import warn_once
-from accum_model.core.window import is_overwritten_with_gradient
+from accum_model.core.variables import flatten
+from accum_model.core.variables import is_overwritten_with_gradient
 
 
 def check_optimizer_does_not_accumulate(optimizer):
@@ -50,23 +49,6 @@ def check_loss_reductions(losses):
                 f"reduction={reduction!r} on loss "
                 f"{getattr(loss, 'name', loss)!r}"
             )
-
-
-def check_strategy(strategy):
-    """Refuses distribution strategies whose variables live off-replica."""
-    unsupported = (
-        tf.distribute.experimental.ParameterServerStrategy,
-        tf.distribute.experimental.CentralStorageStrategy,
-    )
-    adapter.check_strategy(strategy)
-    if isinstance(strategy, unsupported):
-        raise ValueError(
-            "AccumulatingModel supports the default strategy, "
-            "OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy "
-            "and TPUStrategy, which keep a copy of every variable on each "
-            "replica. Received: distribute_strategy="
-            f"{strategy.__class__.__name__}"
-        )
 
 
 def check_keyword_arguments(model_class, kwargs, functional, own_arguments):
@@ -108,7 +90,7 @@ def check_float8_on_one_replica(model):
     Those variables take the window's largest value; across replicas that
     would take a reduction by maximum that the window does not make.
     """
-    replicas = model.distribute_strategy.num_replicas_in_sync
+    replicas = adapter.replicas_in_sync(model)
     overwritten = [
         v.path if hasattr(v, "path") else v.name
         for v in model.trainable_variables
@@ -120,38 +102,6 @@ def check_float8_on_one_replica(model):
             "`overwrite_with_gradient`, from `model.quantize('float8')`) on "
             "one replica only. Received: "
             f"{replicas} replicas and variables {overwritten[:3]}"
-        )
-
-
-def warn_if_activity_penalty_is_masked(model, y_pred):
-    """Warns (once) where one micro-batch weight cannot fit every loss term.
-
-    With a Keras mask on the output, a micro-batch is weighted by its valid
-    elements, right for the masked loss; an activity regularizer adds a
-    per-sample penalty, which the large batch weights by samples.
-    """
-    model_class = type(model)
-    base = class_tree.accumulating_base(model_class)
-    if model_class.micro_batch_weight is not base.micro_batch_weight:
-        return
-    masked = any(
-        adapter.get_keras_mask(output) is not None
-        for output in tf.nest.flatten(y_pred)
-        if output is not None
-    )
-    regularized = [
-        layer.name for layer in model._flatten_layers()
-        if getattr(layer, "activity_regularizer", None) is not None
-    ]
-    if masked and regularized:
-        warn_once(
-            model_class,
-            "The output carries a Keras mask, so each micro-batch is "
-            "weighted by its valid elements, but layers "
-            f"{regularized} add an activity penalty per sample: the window "
-            "then weights that penalty unlike the large batch does. Override "
-            "`micro_batch_weight` (e.g. to return the batch size), or drop "
-            "the activity regularizer, to make the trade-off explicit.",
         )
 
 
@@ -391,9 +341,9 @@ def check_ready_to_accumulate(model, requested_class):
         (`compute_loss` overridden without `micro_batch_weight`).
     """
     check_optimizer_does_not_accumulate(model.optimizer)
-    check_strategy(model.distribute_strategy)
-    adapter.check_optimizer(model.optimizer, model.distribute_strategy)
-    check_loss_reductions(tf.nest.flatten(model.loss))
+    adapter.check_strategy(model)
+    adapter.check_optimizer(model.optimizer, model)
+    check_loss_reductions(flatten(model.loss))
     check_no_foreign_layers(model)
     check_float8_on_one_replica(model)
     check_steps_per_execution(model)

@@ -1,6 +1,6 @@
 """The public `AccumulatingModel` class: the Keras hooks of accumulation.
 
-The window itself, and the promise, live in `accum_model.core.accumulation`;
+The window itself, and the promise, live in `accum_model.tensorflow.accumulation`;
 this class connects it to Keras's `fit()`, `train_step`, configuration and
 saving, through the adapter of the Keras in use.
 """
@@ -9,15 +9,11 @@ import functools
 import inspect
 import warnings
 
-import tensorflow as tf
-
 from accum_model import _checks
 from accum_model import _model_classes
 from accum_model._chooser import adapter
 from accum_model._chooser import keras
 from accum_model._window_callback import WindowCallback
-from accum_model.core import divisor
-from accum_model.core.accumulation import Accumulation
 from accum_model.core.settings import Settings
 from accum_model.core.settings import n_gradients_from_config
 
@@ -145,7 +141,7 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
         """
         accumulation = getattr(self, "_accumulation", None)
         if accumulation is None:
-            accumulation = Accumulation(settings)
+            accumulation = adapter.Accumulation(settings)
             accumulation.checkpoint = adapter.WindowCheckpoint(accumulation)
             self._accumulation = accumulation
             # Every checkpoint finds the window under this attribute name.
@@ -308,14 +304,7 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
             A float32 scalar tensor.
         """
         del y, sample_weight
-        if self._accumulation.weight_from_batch_size:
-            return tf.cast(divisor.batch_size(x), tf.float32)
-        weight = divisor.micro_batch_weight(
-            getattr(self, "_traced_loss_reductions", []),
-            lambda: divisor.fallback_divisor(x, y_pred, adapter.get_keras_mask),
-            type(self).__name__, has_other_losses=bool(self.losses),
-        )
-        return tf.constant(1.0) if weight is divisor.SUM else weight
+        return adapter.default_micro_batch_weight(self, x, y_pred)
 
     # Training --------------------------------------------------------------
 
@@ -383,61 +372,11 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
         """
         self._accumulation.apply_open_window()
 
-    def train_step(self, data):
-        accumulation = self._accumulation
-        if not accumulation.accumulates:
-            return super().train_step(data)
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        with tf.GradientTape() as tape:
-            # BatchNormalization's moving statistics move once per window,
-            # from the window's pooled moments (see `batch_statistics`).
-            with adapter.recording_batch_statistics(
-                    adapter.layers_of(self)) as statistics:
-                y_pred = self(x, training=True)
-            # This replica's own mean loss, never divided by the replicas:
-            # the window end divides by the whole window's weight instead.
-            with adapter.losses_not_divided_by_replicas(), \
-                    adapter.loss_logged_by_window(self), \
-                    adapter.recording_loss_reductions() as reductions:
-                loss = adapter.compute_loss(
-                    self, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight
-                )
-            self._traced_loss_reductions = reductions
-            # Every weight exists now; loss scaling reads the window.
-            accumulation.ensure_state(
-                self.trainable_variables, self.distribute_strategy,
-                [record.call for record in statistics],
-            )
-            scaled_loss = self.get_scaled_loss(loss)
-        window = accumulation.window
-        gradients = tape.gradient(scaled_loss, window.trainable_variables)
-        gradients = self.get_unscaled_gradients(gradients)
-        batch_size = divisor.batch_size(x)
-
-        # The loss is a mean over `weight` elements; multiplying it back
-        # gives the gradient of the summed loss, which the window end
-        # divides by the window's total weight.
-        weight = tf.cast(
-            self.micro_batch_weight(x, y, y_pred, sample_weight), tf.float32
-        )
-        # Losses reduced with "sum" divide by nothing: nor does their window
-        # (decided here for the default weight; an override's weight always
-        # divides).
-        summed = (
-            type(self).micro_batch_weight is AccumulatingModel.micro_batch_weight
-            and not accumulation.weight_from_batch_size
-            and divisor.is_summed(reductions)
-        )
-        _checks.warn_if_activity_penalty_is_masked(self, y_pred)
-        # The loss in logs is the window's, logged once when it ends.
-        accumulation.add_micro_step(gradients, weight, batch_size,
-                                    divide_by_weight=not summed, loss=loss,
-                                    statistics=statistics)
-        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        if accumulation.window_end.checks_finite:
-            # An overflow must never pass silently: show the count.
-            logs = {**logs, "skipped_windows": window.skipped_windows.value()}
-        return adapter.logs_for_reduction(logs, self.distribute_strategy)
+    def train_step(self, *args):
+        # One micro step: `(data)` on TensorFlow, `(state, data)` on JAX.
+        if not self._accumulation.accumulates:
+            return super().train_step(*args)
+        return adapter.accumulating_train_step(self, *args)
 
     def accumulate_gradients(self, gradients, weight, batch_size=None):
         """Adds one micro-batch's gradients to the window; applies it when due.
@@ -460,13 +399,7 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
                 A step whose batch is empty on every replica (as at the end
                 of data of unknown length) then counts as no micro step.
         """
-        accumulation = self._accumulation
-        accumulation.ensure_state(self.trainable_variables,
-                                  self.distribute_strategy)
-        weight = tf.cast(weight, tf.float32)
-        if batch_size is None:
-            batch_size = tf.constant(1)
-        accumulation.add_micro_step(list(gradients), weight, batch_size)
+        adapter.accumulate_gradients(self, gradients, weight, batch_size)
 
 
 # Keras 2 writes the plain class name into `.h5` files and JSON.

@@ -1,9 +1,11 @@
 """The package's layers, read from its imports: each floor imports only
 downward, with no circle.
 
-    core (no Keras)  <  keras3 / keras2 adapters  <  _chooser  <  the model
+    core (no backend, no Keras)  <  tensorflow (the TensorFlow window, no
+    Keras)  <  keras3 / keras2 adapters  <  _chooser  <  the model (no
+    backend)
 
-Read with `ast`, so these tests need neither TensorFlow nor Keras.
+Read with `ast`, so these tests need neither TensorFlow, JAX nor Keras.
 """
 
 import ast
@@ -13,10 +15,13 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "accum_model"
 ADAPTERS = ("accum_model.keras3", "accum_model.keras2")
+# The window on TensorFlow, shared by the two adapters on TensorFlow.
+TENSORFLOW_WINDOW = "accum_model.tensorflow"
 CHOOSER = "accum_model._chooser"
 # The modules the chooser stands on (the stack check, the version).
 CHOOSER_FLOOR = ("accum_model._stack", "accum_model._version")
 KERAS_PACKAGES = ("keras", "tf_keras")
+BACKEND_PACKAGES = ("tensorflow", "jax", "jaxlib", "torch")
 
 
 def _module_name(path):
@@ -79,11 +84,13 @@ def _within(name, package):
 def _floor(module):
     if _within(module, "accum_model.core"):
         return 0
-    if any(_within(module, adapter) for adapter in ADAPTERS):
+    if _within(module, TENSORFLOW_WINDOW):
         return 1
-    if module == CHOOSER or module in CHOOSER_FLOOR:
+    if any(_within(module, adapter) for adapter in ADAPTERS):
         return 2
-    return 3
+    if module == CHOOSER or module in CHOOSER_FLOOR:
+        return 3
+    return 4
 
 
 def _package_imports(module):
@@ -92,9 +99,10 @@ def _package_imports(module):
 
 def test_the_package_has_each_floor():
     floors = {_floor(module) for module in MODULES}
-    assert floors == {0, 1, 2, 3}
-    assert {"accum_model.core.accumulation", "accum_model.accumulating_model",
-            *ADAPTERS, CHOOSER} <= set(MODULES)
+    assert floors == {0, 1, 2, 3, 4}
+    assert {"accum_model.core.arithmetic", "accum_model.accumulating_model",
+            "accum_model.tensorflow.accumulation", *ADAPTERS,
+            CHOOSER} <= set(MODULES)
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -124,23 +132,46 @@ def test_only_the_chooser_imports_an_adapter(module):
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS)
-def test_an_adapter_never_imports_the_other(adapter):
-    other = next(a for a in ADAPTERS if a != adapter)
+def test_an_adapter_never_imports_another(adapter):
+    others = [a for a in ADAPTERS if a != adapter]
     for module in MODULES:
         if _within(module, adapter):
             for name in _package_imports(module):
-                assert not _within(name, other), f"{module} imports {name}"
+                assert not any(_within(name, other) for other in others), (
+                    f"{module} imports {name}")
+
+
+def _imports_of_packages(module, packages):
+    return [name for name, _ in _imports(module)
+            if name.split(".")[0] in packages]
 
 
 @pytest.mark.parametrize(
     "module", sorted(m for m in MODULES if _within(m, "accum_model.core"))
 )
-def test_the_core_imports_no_keras(module):
-    keras_imports = [
-        name for name, _ in _imports(module)
-        if name.split(".")[0] in KERAS_PACKAGES
-    ]
-    assert not keras_imports, f"{module} imports {keras_imports}"
+def test_the_core_imports_no_keras_and_no_backend(module):
+    found = _imports_of_packages(module, KERAS_PACKAGES + BACKEND_PACKAGES)
+    assert not found, f"{module} imports {found}"
+
+
+@pytest.mark.parametrize(
+    "module", sorted(m for m in MODULES if _within(m, TENSORFLOW_WINDOW))
+)
+def test_the_tensorflow_window_imports_no_keras(module):
+    found = _imports_of_packages(module, KERAS_PACKAGES)
+    assert not found, f"{module} imports {found}"
+
+
+@pytest.mark.parametrize(
+    "module", sorted(m for m in MODULES if _floor(m) == 4)
+)
+def test_the_model_layer_imports_no_backend(module):
+    # Backends differ in the adapters only: the public model, its checks
+    # and its callbacks import no backend, nor the TensorFlow window.
+    found = _imports_of_packages(module, BACKEND_PACKAGES + ("tf_keras",))
+    found += [name for name in _package_imports(module)
+              if _within(name, TENSORFLOW_WINDOW)]
+    assert not found, f"{module} imports {found}"
 
 
 def test_the_keras2_adapter_never_imports_keras_by_name():
@@ -197,9 +228,10 @@ def _top_level_names(module):
 
 
 def test_adapters_offer_the_same_names():
-    keras3, keras2 = (_all_of(adapter) for adapter in ADAPTERS)
-    assert keras3 is not None and keras2 is not None
-    assert sorted(keras3) == sorted(keras2)
+    offered = [_all_of(adapter) for adapter in ADAPTERS]
+    assert None not in offered
+    for names in offered[1:]:
+        assert sorted(names) == sorted(offered[0])
     for adapter in ADAPTERS:
         missing = set(_all_of(adapter)) - _top_level_names(adapter)
         assert not missing, f"{adapter} lists {missing} without defining them"

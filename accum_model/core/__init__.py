@@ -1,22 +1,19 @@
-"""The window, written once for every Keras: it imports TensorFlow, not Keras.
-
-What a newcomer needs to know, in the order data flows through it:
+"""What every backend shares: it imports no backend and no Keras.
 
 * `settings` — what the user chose (`n_gradients`, `flush_each_epoch`,
-  `accumulator_dtype`), validated once.
-* `accumulation` — the `Accumulation` a model holds: the promise (n
-  micro-batches of b train like one batch of n*b) is kept there.
-* `window` — per-replica accumulators and counters of the open window.
-* `divisor` — what each micro-batch's loss was divided by, which weights
-  its gradients in the window.
-* `window_end` — the one update (or skip) at the end of a window, and the
-  window's one reduction across replicas; `replicas` hides which
-  distribution context the code runs in.
-* `optimizer_duties` — the compiled optimizer split into its loss scaler and
-  its updater (each Keras adapter fills in the Keras-specific part).
-* `checkpoint`, `tf_checkpoint` — the open window in checkpoints.
-* `class_tree`, `messages` — questions about a model's classes, and the
-  warnings and errors shared by the layers above.
+  `accumulator_dtype`, `measure_noise_scale`), validated once.
+* `arithmetic` — the window's numbers, written once: how micro-batches are
+  weighted, the window's mean gradient and loss, the loss-scale share of a
+  micro-batch, the float16 overflow verdict, the noise-scale estimates. Each
+  backend's window calls it with its own array operations.
+* `variables` — questions about a variable every backend asks alike.
+* `class_tree`, `messages`, `patch` — questions about a model's classes,
+  the warnings and errors shared by the layers above, and scoped
+  replacement of attributes.
+
+The window on TensorFlow, which keeps the promise (n micro-batches of b
+train like one batch of n*b) in TensorFlow's replica contexts, is
+`accum_model.tensorflow`.
 
 Vocabulary, used everywhere in accum_model: a *micro step* is one
 micro-batch seen by `train_step`; a *window* is the micro steps whose

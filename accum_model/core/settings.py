@@ -9,8 +9,6 @@ their (0-based) epoch on, with windows of 1 before the smallest key.
 
 import numbers
 
-import tensorflow as tf
-
 ACCUMULATOR_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
@@ -188,11 +186,6 @@ class Settings:
             if start <= epoch:
                 length = n
         return length
-
-    @property
-    def dtype(self):
-        """The accumulators' `tf.DType`."""
-        return tf.as_dtype(self.accumulator_dtype)
 
     @property
     def may_overflow(self):

@@ -28,6 +28,11 @@ from accum_model.keras2.saving import functional_constructor_signature
 from accum_model.keras2.saving import register_plain_name
 from accum_model.keras2.saving import serialize_as
 from accum_model.keras2.training import END_OF_DATA_ERRORS
+from accum_model.keras2.training import Accumulation
+from accum_model.keras2.training import accumulate_gradients
+from accum_model.keras2.training import accumulating_train_step
+from accum_model.keras2.training import default_micro_batch_weight
+from accum_model.keras2.training import replicas_in_sync
 from accum_model.keras2.training import STEPS_PER_EXECUTION_FIX
 from accum_model.keras2.training import ModelDifferences
 from accum_model.keras2.training import check_strategy
@@ -41,6 +46,7 @@ from accum_model.keras2.training import model_keyword_arguments
 from accum_model.keras2.training import steps_per_execution
 
 __all__ = [
+    "Accumulation",
     "END_OF_DATA_ERRORS",
     "Functional",
     "LOSS_REDUCTIONS",
@@ -48,10 +54,13 @@ __all__ = [
     "ModelDifferences",
     "STEPS_PER_EXECUTION_FIX",
     "WindowCheckpoint",
+    "accumulate_gradients",
+    "accumulating_train_step",
     "check_optimizer",
     "check_strategy",
     "clones_through_constructor",
     "compute_loss",
+    "default_micro_batch_weight",
     "executions_stop_cleanly_at_end_of_data",
     "float16_gradient_flags",
     "functional_constructor_signature",
@@ -70,6 +79,7 @@ __all__ = [
     "recording_batch_statistics",
     "recording_loss_reductions",
     "register_plain_name",
+    "replicas_in_sync",
     "serialize_as",
     "steps_per_execution",
     "track_loss",

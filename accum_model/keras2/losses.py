@@ -11,7 +11,7 @@ import contextlib
 
 import tensorflow as tf
 
-from accum_model.core import divisor
+from accum_model.tensorflow import divisor
 from accum_model.core.patch import identity
 from accum_model.core.patch import replaced
 from accum_model.keras2.package import src

@@ -14,8 +14,8 @@ optimizers (`optimizers.legacy`) are built through the private
 
 import tensorflow as tf
 
-from accum_model.core.optimizer_duties import OptimizerDuties
-from accum_model.core.optimizer_duties import scaled_gradients
+from accum_model.tensorflow.optimizer_duties import OptimizerDuties
+from accum_model.tensorflow.optimizer_duties import scaled_gradients
 from accum_model.keras2.package import keras
 from accum_model.keras2.package import src
 
@@ -48,7 +48,7 @@ def float16_gradient_flags(model, variables):
     ]
 
 
-def check_optimizer(optimizer, strategy):
+def check_optimizer(optimizer, model):
     """Refuses a legacy optimizer (`optimizers.legacy`) under replicas.
 
     Under MirroredStrategy a legacy optimizer weighed the replicas' window
@@ -57,7 +57,7 @@ def check_optimizer(optimizer, strategy):
     device, the new optimizer 3e-8); on one replica it is exact.
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    replicas = strategy.num_replicas_in_sync
+    replicas = model.distribute_strategy.num_replicas_in_sync
     if isinstance(inner, _optimizer_v2.OptimizerV2) and replicas > 1:
         name = type(inner).__name__
         raise ValueError(

@@ -10,7 +10,7 @@ TF 2.13.1.
 
 import inspect
 
-from accum_model.core import checkpoint
+from accum_model.tensorflow import checkpoint
 from accum_model.core import class_tree
 from accum_model.keras2.package import src
 

@@ -13,10 +13,17 @@ import warnings
 import tensorflow as tf
 
 from accum_model.core.messages import window_is_open
+from accum_model.keras2 import losses
+from accum_model.keras2 import normalization
 from accum_model.keras2.package import keras
+from accum_model.tensorflow import training as tf_training
+from accum_model.tensorflow.accumulation import Accumulation
 
-__all__ = ["END_OF_DATA_ERRORS", "ModelDifferences", "STEPS_PER_EXECUTION_FIX",
-           "check_strategy", "executions_stop_cleanly_at_end_of_data",
+__all__ = ["Accumulation", "END_OF_DATA_ERRORS", "ModelDifferences",
+           "STEPS_PER_EXECUTION_FIX", "accumulate_gradients",
+           "accumulating_train_step", "check_strategy",
+           "default_micro_batch_weight", "replicas_in_sync",
+           "executions_stop_cleanly_at_end_of_data",
            "foreign_variables_in_graph", "is_foreign_layer", "layers_of", "logs_for_reduction",
            "micro_steps_in_epoch", "model_keyword_arguments",
            "steps_per_execution"]
@@ -56,8 +63,29 @@ def _warn_if_window_is_left_out(model, kind):
         )
 
 
-def check_strategy(strategy):
+def replicas_in_sync(model):
+    """Int. Replicas the model trains on (its strategy's)."""
+    return model.distribute_strategy.num_replicas_in_sync
+
+
+def accumulating_train_step(model, data):
+    """One micro step (see `accum_model.tensorflow.training`)."""
+    return tf_training.train_step(model, data, _KERAS_DETAILS)
+
+
+def default_micro_batch_weight(model, x, y_pred):
+    """What Keras divided this micro step's loss by."""
+    return tf_training.default_micro_batch_weight(model, x, y_pred,
+                                                  _KERAS_DETAILS)
+
+
+accumulate_gradients = tf_training.accumulate_gradients
+
+
+def check_strategy(model):
     """Refuses the strategies the Keras 2 adapter was not checked under."""
+    strategy = model.distribute_strategy
+    tf_training.check_strategy(strategy)
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         raise ValueError(
             "AccumulatingModel on Keras 2 supports the default strategy, "
@@ -148,3 +176,16 @@ def is_foreign_layer(value):
     ):
         return False
     return isinstance(value, other_layer)
+
+
+_KERAS_DETAILS = tf_training.KerasDetails(
+    unpack_x_y_sample_weight=keras.utils.unpack_x_y_sample_weight,
+    compute_loss=losses.compute_loss,
+    get_keras_mask=losses.get_keras_mask,
+    layers_of=layers_of,
+    logs_for_reduction=logs_for_reduction,
+    loss_logged_by_window=losses.loss_logged_by_window,
+    losses_not_divided_by_replicas=losses.losses_not_divided_by_replicas,
+    recording_batch_statistics=normalization.recording_batch_statistics,
+    recording_loss_reductions=losses.recording_loss_reductions,
+)

@@ -11,7 +11,7 @@ import tensorflow as tf
 from keras.src.backend.common.masking import get_keras_mask
 from keras.src.losses import loss as keras_loss_module
 
-from accum_model.core import divisor
+from accum_model.tensorflow import divisor
 from accum_model.core.patch import identity
 from accum_model.core.patch import replaced
 

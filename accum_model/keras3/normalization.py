@@ -7,7 +7,7 @@ private `_moments(inputs, mask)` and then assigns `moving_mean` and
 `moving_variance` once each. During the forward pass of a micro step those
 two assigns are suppressed and the moments recorded, so that the window
 moves the moving statistics once, from its pooled moments (see
-`accum_model.core.batch_statistics`).
+`accum_model.tensorflow.batch_statistics`).
 
 A layer whose class overrides `call` may update its statistics otherwise and
 is left alone (`fit()` warns about it like about any layer whose statistics
@@ -20,8 +20,8 @@ import threading
 import keras
 import tensorflow as tf
 
-from accum_model.core.batch_statistics import RecordedStatistics
-from accum_model.core.batch_statistics import StatisticsCall
+from accum_model.tensorflow.batch_statistics import RecordedStatistics
+from accum_model.tensorflow.batch_statistics import StatisticsCall
 
 
 __all__ = ["pools_moving_statistics", "recording_batch_statistics"]

@@ -3,7 +3,7 @@
 Keras 3's `LossScaleOptimizer` scales the loss with `scale_loss()` and
 unscales, checks and applies in one `apply()` call per step; `LossScaling`
 does each of those duties at its own point of the window (see
-`accum_model.core.optimizer_duties`). Reads `dynamic_scale`, `step_counter`,
+`accum_model.tensorflow.optimizer_duties`). Reads `dynamic_scale`, `step_counter`,
 `dynamic_growth_steps` and `initial_scale` (public attributes, checked on
 keras 3.6.0, 3.10.0 and 3.15.1).
 
@@ -22,16 +22,16 @@ import tensorflow as tf
 from keras import optimizers
 
 from accum_model.core import patch
-from accum_model.core.optimizer_duties import OptimizerDuties
-from accum_model.core.optimizer_duties import scaled_gradients
-from accum_model.core.window import is_overwritten_with_gradient
+from accum_model.tensorflow.optimizer_duties import OptimizerDuties
+from accum_model.tensorflow.optimizer_duties import scaled_gradients
+from accum_model.core.variables import is_overwritten_with_gradient
 
 __all__ = ["LossScaling", "check_optimizer", "float16_gradient_flags"]
 
 
-def check_optimizer(optimizer, strategy):
+def check_optimizer(optimizer, model):
     """Every Keras 3 optimizer is applied exactly under every strategy."""
-    del optimizer, strategy
+    del optimizer, model
 
 
 def float16_gradient_flags(model, variables):

@@ -9,7 +9,7 @@ from keras.src.models.functional import functional_like_constructor
 from keras.src.saving import object_registration
 from keras.src.saving.keras_saveable import KerasSaveable
 
-from accum_model.core import checkpoint
+from accum_model.tensorflow import checkpoint
 from accum_model.core import class_tree
 
 __all__ = ["Functional", "WindowCheckpoint", "clones_through_constructor",

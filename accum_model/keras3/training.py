@@ -23,8 +23,16 @@ import tensorflow as tf
 from keras import tree
 from keras.src.models.functional import Functional
 
-__all__ = ["END_OF_DATA_ERRORS", "ModelDifferences", "STEPS_PER_EXECUTION_FIX",
-           "check_strategy", "executions_stop_cleanly_at_end_of_data",
+from accum_model.keras3 import losses
+from accum_model.keras3 import normalization
+from accum_model.tensorflow import training as tf_training
+from accum_model.tensorflow.accumulation import Accumulation
+
+__all__ = ["Accumulation", "END_OF_DATA_ERRORS", "ModelDifferences",
+           "STEPS_PER_EXECUTION_FIX", "accumulate_gradients",
+           "accumulating_train_step", "check_strategy",
+           "default_micro_batch_weight", "replicas_in_sync",
+           "executions_stop_cleanly_at_end_of_data",
            "foreign_variables_in_graph", "is_foreign_layer", "layers_of", "logs_for_reduction",
            "micro_steps_in_epoch", "model_keyword_arguments",
            "steps_per_execution"]
@@ -52,9 +60,28 @@ class ModelDifferences:
         symbolic_build_from_local_batch(self, iterator)
 
 
-def check_strategy(strategy):
-    """Every strategy the model layer admits runs on Keras 3."""
-    del strategy
+def check_strategy(model):
+    """Refuses strategies whose variables live off-replica."""
+    tf_training.check_strategy(model.distribute_strategy)
+
+
+def replicas_in_sync(model):
+    """Int. Replicas the model trains on (its strategy's)."""
+    return model.distribute_strategy.num_replicas_in_sync
+
+
+def accumulating_train_step(model, data):
+    """One micro step (see `accum_model.tensorflow.training`)."""
+    return tf_training.train_step(model, data, _KERAS_DETAILS)
+
+
+def default_micro_batch_weight(model, x, y_pred):
+    """What Keras divided this micro step's loss by."""
+    return tf_training.default_micro_batch_weight(model, x, y_pred,
+                                                  _KERAS_DETAILS)
+
+
+accumulate_gradients = tf_training.accumulate_gradients
 
 
 def steps_per_execution(model):
@@ -182,3 +209,16 @@ def is_foreign_layer(value):
     return (isinstance(value, tf.Module)
             and hasattr(value, "trainable_weights")
             and not isinstance(value, keras.layers.Layer))
+
+
+_KERAS_DETAILS = tf_training.KerasDetails(
+    unpack_x_y_sample_weight=keras.utils.unpack_x_y_sample_weight,
+    compute_loss=losses.compute_loss,
+    get_keras_mask=losses.get_keras_mask,
+    layers_of=layers_of,
+    logs_for_reduction=logs_for_reduction,
+    loss_logged_by_window=losses.loss_logged_by_window,
+    losses_not_divided_by_replicas=losses.losses_not_divided_by_replicas,
+    recording_batch_statistics=normalization.recording_batch_statistics,
+    recording_loss_reductions=losses.recording_loss_reductions,
+)

@@ -17,11 +17,13 @@ import warnings
 
 import tensorflow as tf
 
-from accum_model.core import replicas
+from accum_model.core import arithmetic
+from accum_model.tensorflow import replicas
 from accum_model.core.messages import window_is_open
-from accum_model.core.update_signal import UpdateSignal
-from accum_model.core.window import GradientWindow
-from accum_model.core.window_end import WindowEnd
+from accum_model.tensorflow.update_signal import UpdateSignal
+from accum_model.tensorflow.window import GradientWindow
+from accum_model.tensorflow.ops import TF_OPS
+from accum_model.tensorflow.window_end import WindowEnd
 
 
 class Accumulation:
@@ -171,10 +173,8 @@ class Accumulation:
         )
         if micro_steps <= 0:
             return None
-        if not self.window_end.divide_by_weight:
-            return loss_sum
-        # Every element masked: 0, as Keras's `divide_no_nan` logs it.
-        return loss_sum / weight_sum if weight_sum else 0.0
+        return arithmetic.loss_of_part(loss_sum, weight_sum,
+                                       self.window_end.divide_by_weight)
 
     def noise_scale(self):
         """Float, the gradient noise scale measured in the current epoch.
@@ -223,12 +223,9 @@ class Accumulation:
         # A window the epoch's end will cut short holds only the micro steps
         # the epoch has left (counted with this one); unknown: negative.
         left = window.steps_left_in_epoch
-        expected = tf.where(
-            left >= 0, tf.minimum(length, window.micro_steps + left), length
-        )
-        replicas_in_sync = window.strategy.num_replicas_in_sync
-        return 1.0 / tf.cast(tf.maximum(expected, 1) * replicas_in_sync,
-                             tf.float32)
+        return arithmetic.micro_batch_share(
+            length, window.micro_steps, left,
+            window.strategy.num_replicas_in_sync, TF_OPS)
 
     def accumulator_bytes(self):
         """Int. Bytes held by one replica's accumulators."""
@@ -321,7 +318,8 @@ class Accumulation:
                 self.window = GradientWindow(
                     variables, strategy, self._epoch_steps,
                     length=self.window_length(),
-                    accumulator_dtype=self.settings.dtype,
+                    accumulator_dtype=tf.as_dtype(
+                        self.settings.accumulator_dtype),
                     statistics_calls=statistics_calls,
                     measure_noise_scale=self.settings.measure_noise_scale,
                 )

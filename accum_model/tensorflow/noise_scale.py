@@ -24,7 +24,9 @@ and can divide by about zero.
 
 import tensorflow as tf
 
-from accum_model.core import replicas
+from accum_model.core import arithmetic
+from accum_model.tensorflow.ops import TF_OPS
+from accum_model.tensorflow import replicas
 
 # Number of values `local_estimates` adds to the window's reduction.
 ESTIMATES = 3
@@ -106,13 +108,8 @@ class NoiseScale:
             measured = tf.logical_and(
                 m >= 2.0, tf.convert_to_tensor(self.measurable) > 0.0
             )
-            window_term = tf.math.divide_no_nan(summed_norm, weight)
-            trace = tf.math.divide_no_nan(squared_norm_sum - window_term,
-                                          m - 1.0)
-            signal = tf.math.divide_no_nan(
-                (window_term - tf.math.divide_no_nan(squared_norm_sum, m)) * m,
-                weight * (m - 1.0),
-            )
+            trace, signal = arithmetic.noise_estimates(
+                squared_norm_sum, summed_norm, weight, m, TF_OPS)
             return tf.where(measured, tf.stack([trace, signal, 1.0]),
                             tf.zeros([ESTIMATES]))
 
@@ -154,13 +151,9 @@ class NoiseScale:
         inf when the estimate of |G|^2 is not positive (the gradient is
         noise at every batch size the windows hold).
         """
-        if float(self.estimates.read_value().numpy()) == 0.0:
-            return None
-        trace = float(self.trace_sum.read_value().numpy())
-        signal = float(self.signal_sum.read_value().numpy())
-        if signal <= 0.0:
-            return float("inf")
-        return max(trace, 0.0) / signal
+        return arithmetic.noise_scale(
+            *(float(variable.read_value().numpy()) for variable in (
+                self.trace_sum, self.signal_sum, self.estimates)))
 
 
 def _squared_norm(gradient):

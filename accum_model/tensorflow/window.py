@@ -2,9 +2,13 @@
 
 import tensorflow as tf
 
-from accum_model.core import replicas
-from accum_model.core.batch_statistics import WindowStatistics
-from accum_model.core.noise_scale import NoiseScale
+from accum_model.core import arithmetic
+from accum_model.core.variables import is_overwritten_with_gradient
+from accum_model.core.variables import short_name
+from accum_model.tensorflow import replicas
+from accum_model.tensorflow.batch_statistics import WindowStatistics
+from accum_model.tensorflow.noise_scale import NoiseScale
+from accum_model.tensorflow.ops import TF_OPS
 
 _ON_READ = tf.VariableSynchronization.ON_READ
 
@@ -71,7 +75,7 @@ class GradientWindow:
                     trainable=False,
                     synchronization=_ON_READ,
                     aggregation=tf.VariableAggregation.SUM,
-                    name=f"accumulated_{_short_name(variable)}",
+                    name=f"accumulated_{short_name(variable)}",
                 )
                 for variable, overwrite in zip(
                     self.trainable_variables, self.overwrite
@@ -170,9 +174,8 @@ class GradientWindow:
             self.tracks_loss = True
             # A micro-batch of weight 0 (every element masked or ignored)
             # adds nothing, also where its own mean loss is 0/0 (Keras 2).
-            self.loss_sum.assign_add(tf.where(
-                tf.equal(weight, 0.0), 0.0, tf.cast(loss, tf.float32) * weight
-            ))
+            self.loss_sum.assign_add(arithmetic.weighted_loss(
+                tf.cast(loss, tf.float32), weight, TF_OPS))
         self.sample_sum.assign_add(samples)
         self.statistics.add(statistics)
         if self.noise is not None:
@@ -256,8 +259,8 @@ class GradientWindow:
             else:
                 total = next(summed)
                 result.append(tf.cast(
-                    tf.math.divide_no_nan(
-                        total, tf.cast(total_weight, total.dtype)),
+                    arithmetic.divide_no_nan(
+                        total, tf.cast(total_weight, total.dtype), TF_OPS),
                     variable.dtype,
                 ))
         return result
@@ -285,12 +288,3 @@ def _weighted(gradient, weight, dtype):
     wide = tf.float64 if dtype == tf.float64 else tf.float32
     return tf.cast(tf.cast(gradient, wide) * tf.cast(weight, wide), dtype)
 
-
-def is_overwritten_with_gradient(variable):
-    """Whether Keras assigns this variable its "gradient" (float8 stats)."""
-    return bool(getattr(variable, "overwrite_with_gradient", False))
-
-
-def _short_name(variable):
-    name = getattr(variable, "path", None) or variable.name
-    return name.replace("/", "_").replace(":", "_")

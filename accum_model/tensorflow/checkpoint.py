@@ -21,8 +21,8 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from accum_model.core import replicas
-from accum_model.core.tf_checkpoint import SavedInTfCheckpoints
+from accum_model.tensorflow import replicas
+from accum_model.tensorflow.tf_checkpoint import SavedInTfCheckpoints
 
 # Counters saved with the window, in the order of the "counters" array. The
 # windows after the open one take the loading model's length, so only the

@@ -11,12 +11,10 @@ import functools
 
 import tensorflow as tf
 
-from accum_model.core import replicas
-from accum_model.core.noise_scale import ESTIMATES
-
-# The smallest magnitude float16 rounds to infinity (its largest finite
-# value, 65504, plus half of its last step, 32).
-FLOAT16_OVERFLOW = 65520.0
+from accum_model.core import arithmetic
+from accum_model.tensorflow import replicas
+from accum_model.tensorflow.noise_scale import ESTIMATES
+from accum_model.tensorflow.ops import TF_OPS
 
 
 class WindowEnd:
@@ -120,7 +118,8 @@ class WindowEnd:
         total_weight, total_samples = totals[0], totals[1]
         if not self.divide_by_weight:
             total_weight = tf.constant(1.0)
-        window_loss = tf.math.divide_no_nan(totals[3], total_weight)
+        window_loss = arithmetic.window_loss(totals[3], total_weight, True,
+                                             TF_OPS)
         num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
         finite = tf.equal(totals[2], float(num_replicas))
         if self.checks_finite:
@@ -193,8 +192,8 @@ class WindowEnd:
 
         largest_sum = replicas.first_local(
             replicas.for_each_replica(largest, gradient_totals))
-        scale = self.loss_scaling.current_scale()
-        return largest_sum * scale < FLOAT16_OVERFLOW * total_weight
+        return arithmetic.fits_float16(
+            largest_sum, self.loss_scaling.current_scale(), total_weight)
 
     def _apply_window_gradient(self, total_weight, gradient_totals):
         """Replica context: hands the window gradient to the optimizer.

@@ -1,0 +1,128 @@
+"""The window's numbers, written once for every backend.
+
+Each function takes its arrays and `ops`, an `ArrayOps` of the running
+backend (TensorFlow's window and JAX's each build one), and uses nothing
+else: the weighting of micro-batches, the window's mean gradient and loss,
+the loss-scale share of a micro-batch, the float16 overflow verdict and the
+noise-scale estimates are the same arithmetic on every backend.
+
+Vocabulary: a micro-batch's *weight* is what Keras divided its loss by
+(`divisor`); the window holds the sum of each micro-batch's gradient times
+its weight, so dividing by the window's total weight gives the large batch's
+gradient.
+"""
+
+import collections
+
+ArrayOps = collections.namedtuple("ArrayOps", [
+    # NumPy's `where`, `minimum`, `maximum`, `zeros_like`, `ones_like`,
+    # under the backend's own names.
+    "where", "minimum", "maximum", "zeros_like", "ones_like",
+    # `(x) -> x as float32`.
+    "to_float32",
+])
+
+# The smallest magnitude float16 rounds to infinity (its largest finite
+# value, 65504, plus half of its last step, 32).
+FLOAT16_OVERFLOW = 65520.0
+
+
+def divide_no_nan(numerator, denominator, ops):
+    """`numerator / denominator`, and 0 where the denominator is 0, as
+    Keras's losses divide (a window whose every element is masked has a
+    zero gradient and a zero loss, as the large batch has)."""
+    is_zero = denominator == 0
+    safe = ops.where(is_zero, ops.ones_like(denominator), denominator)
+    return ops.where(is_zero, ops.zeros_like(numerator), numerator / safe)
+
+
+def weighted_loss(loss, weight, ops):
+    """A micro-batch's loss times its weight, for the window's loss sum: 0
+    for a micro-batch of weight 0, also where its own mean is 0/0."""
+    return ops.where(weight == 0, ops.zeros_like(weight), loss * weight)
+
+
+def window_loss(loss_sum, total_weight, divide_by_weight, ops):
+    """The window's loss: the large batch's (a "sum" loss is the sum)."""
+    if not divide_by_weight:
+        return loss_sum
+    return divide_no_nan(loss_sum, total_weight, ops)
+
+
+def micro_batch_share(length, micro_steps, steps_left_in_epoch, replicas,
+                      ops):
+    """Float32: the part of its window one replica's micro-batch is.
+
+    1/(n * replicas), where n is the window's `length`, or the micro steps
+    the epoch has left when those are fewer (`steps_left_in_epoch` counts
+    this step; negative when unknown). A micro-batch's loss scaled by the
+    loss scale times this share has the large batch's per-sample terms in
+    its backward pass, so it overflows where the large batch would.
+    """
+    expected = ops.where(
+        steps_left_in_epoch >= 0,
+        ops.minimum(length, micro_steps + steps_left_in_epoch), length,
+    )
+    return 1.0 / ops.to_float32(ops.maximum(expected, 1) * replicas)
+
+
+def fits_float16(largest_sum, loss_scale, total_weight):
+    """Whether the large batch's scaled float16 gradient stays finite.
+
+    For a weight used in float16, the large batch sums its samples'
+    gradient terms in float16; its scaled gradient is the window's sum
+    (`largest_sum`, the largest magnitude among those weights' sums) times
+    the loss scale over the window's weight.
+    """
+    return largest_sum * loss_scale < FLOAT16_OVERFLOW * total_weight
+
+
+def noise_estimates(squared_norm_sum, summed_norm, weight, micro_batches,
+                    ops):
+    """One window's unbiased estimates of tr(Sigma) and |G|^2.
+
+    McCandlish et al. (2018), for micro-batches of unequal size: with A the
+    sum over micro-batches of v |g_v|^2 (`squared_norm_sum`, v the
+    micro-batch's weight and g_v its mean gradient) and W the window's
+    weight, A - |sum v g|^2/W estimates (m - 1) tr(Sigma) and
+    |sum v g|^2/W - A/m estimates W (1 - 1/m) |G|^2.
+
+    Args:
+        squared_norm_sum: Float32, A.
+        summed_norm: Float32, |sum v g|^2 (`summed` over the window).
+        weight: Float32, W.
+        micro_batches: Float32, m, the micro-batches with data.
+
+    Returns:
+        (trace, signal), float32.
+    """
+    m = micro_batches
+    window_term = divide_no_nan(summed_norm, weight, ops)
+    trace = divide_no_nan(squared_norm_sum - window_term, m - 1.0, ops)
+    signal = divide_no_nan(
+        (window_term - divide_no_nan(squared_norm_sum, m, ops)) * m,
+        weight * (m - 1.0), ops,
+    )
+    return trace, signal
+
+
+def noise_scale(trace_sum, signal_sum, estimates):
+    """The epoch's B_noise from its windows' summed estimates (floats).
+
+    None when no window was measured; 0.0 when the noise estimate is not
+    positive; inf when the signal estimate is not positive (the gradient is
+    noise at every batch size the windows hold).
+    """
+    if estimates == 0.0:
+        return None
+    if signal_sum <= 0.0:
+        return float("inf")
+    return max(trace_sum, 0.0) / signal_sum
+
+
+def loss_of_part(loss_sum, weight_sum, divide_by_weight):
+    """The loss of some of a window's micro-batches as one batch (floats):
+    their weighted loss sum over their weight (0 where that is 0)."""
+    if not divide_by_weight:
+        return loss_sum
+    return loss_sum / weight_sum if weight_sum else 0.0

@@ -1,0 +1,167 @@
+"""The accumulating training step on TensorFlow, for either Keras.
+
+Keras 3 on TensorFlow and Keras 2 train with the same stateful step: a
+`tf.GradientTape` over one micro-batch, its gradients handed to the window
+in replica context. What differs between the two Kerases (how a loss is
+computed, reduced and logged, how normalization layers are intercepted)
+comes in as `KerasDetails` from each adapter.
+"""
+
+import collections
+
+import tensorflow as tf
+
+from accum_model.core import class_tree
+from accum_model.core.messages import warn_once
+from accum_model.tensorflow import divisor
+
+KerasDetails = collections.namedtuple("KerasDetails", [
+    # `(data) -> (x, y, sample_weight)`, Keras's own unpacking.
+    "unpack_x_y_sample_weight",
+    # The adapter's functions of the same names (see `accum_model.keras3`).
+    "compute_loss", "get_keras_mask", "layers_of",
+    "logs_for_reduction", "loss_logged_by_window",
+    "losses_not_divided_by_replicas", "recording_batch_statistics",
+    "recording_loss_reductions",
+])
+
+
+def train_step(model, data, details):
+    """One micro step of `model` on `data` (replica context).
+
+    Args:
+        model: The accumulating model.
+        data: The micro-batch, as Keras hands it to `train_step`.
+        details: The adapter's `KerasDetails`.
+
+    Returns:
+        The logs of the step.
+    """
+    accumulation = model._accumulation
+    x, y, sample_weight = details.unpack_x_y_sample_weight(data)
+    with tf.GradientTape() as tape:
+        # BatchNormalization's moving statistics move once per window,
+        # from the window's pooled moments (see `batch_statistics`).
+        with details.recording_batch_statistics(
+                details.layers_of(model)) as statistics:
+            y_pred = model(x, training=True)
+        # This replica's own mean loss, never divided by the replicas:
+        # the window end divides by the whole window's weight instead.
+        with details.losses_not_divided_by_replicas(), \
+                details.loss_logged_by_window(model), \
+                details.recording_loss_reductions() as reductions:
+            loss = details.compute_loss(
+                model, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight
+            )
+        model._traced_loss_reductions = reductions
+        # Every weight exists now; loss scaling reads the window.
+        accumulation.ensure_state(
+            model.trainable_variables, model.distribute_strategy,
+            [record.call for record in statistics],
+        )
+        scaled_loss = model.get_scaled_loss(loss)
+    window = accumulation.window
+    gradients = tape.gradient(scaled_loss, window.trainable_variables)
+    gradients = model.get_unscaled_gradients(gradients)
+    batch_size = divisor.batch_size(x)
+
+    # The loss is a mean over `weight` elements; multiplying it back
+    # gives the gradient of the summed loss, which the window end
+    # divides by the window's total weight.
+    weight = tf.cast(
+        model.micro_batch_weight(x, y, y_pred, sample_weight), tf.float32
+    )
+    # Losses reduced with "sum" divide by nothing: nor does their window
+    # (decided here for the default weight; an override's weight always
+    # divides).
+    summed = (
+        _has_default_micro_batch_weight(type(model))
+        and not accumulation.weight_from_batch_size
+        and divisor.is_summed(reductions)
+    )
+    _warn_if_activity_penalty_is_masked(model, y_pred, details)
+    # The loss in logs is the window's, logged once when it ends.
+    accumulation.add_micro_step(gradients, weight, batch_size,
+                                divide_by_weight=not summed, loss=loss,
+                                statistics=statistics)
+    logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    if accumulation.window_end.checks_finite:
+        # An overflow must never pass silently: show the count.
+        logs = {**logs, "skipped_windows": window.skipped_windows.value()}
+    return details.logs_for_reduction(logs, model.distribute_strategy)
+
+
+def default_micro_batch_weight(model, x, y_pred, details):
+    """What Keras divided the compiled loss by in this micro step (see
+    `AccumulatingModel.micro_batch_weight`), as a float32 scalar."""
+    if model._accumulation.weight_from_batch_size:
+        return tf.cast(divisor.batch_size(x), tf.float32)
+    weight = divisor.micro_batch_weight(
+        getattr(model, "_traced_loss_reductions", []),
+        lambda: divisor.fallback_divisor(x, y_pred, details.get_keras_mask),
+        type(model).__name__, has_other_losses=bool(model.losses),
+    )
+    return tf.constant(1.0) if weight is divisor.SUM else weight
+
+
+def accumulate_gradients(model, gradients, weight, batch_size=None):
+    """`AccumulatingModel.accumulate_gradients` (replica context)."""
+    accumulation = model._accumulation
+    accumulation.ensure_state(model.trainable_variables,
+                              model.distribute_strategy)
+    weight = tf.cast(weight, tf.float32)
+    if batch_size is None:
+        batch_size = tf.constant(1)
+    accumulation.add_micro_step(list(gradients), weight, batch_size)
+
+
+def check_strategy(strategy):
+    """Refuses distribution strategies whose variables live off-replica."""
+    unsupported = (
+        tf.distribute.experimental.ParameterServerStrategy,
+        tf.distribute.experimental.CentralStorageStrategy,
+    )
+    if isinstance(strategy, unsupported):
+        raise ValueError(
+            "AccumulatingModel supports the default strategy, "
+            "OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy "
+            "and TPUStrategy, which keep a copy of every variable on each "
+            "replica. Received: distribute_strategy="
+            f"{strategy.__class__.__name__}"
+        )
+
+
+def _has_default_micro_batch_weight(model_class):
+    base = class_tree.accumulating_base(model_class)
+    return model_class.micro_batch_weight is base.micro_batch_weight
+
+
+def _warn_if_activity_penalty_is_masked(model, y_pred, details):
+    """Warns (once) where one micro-batch weight cannot fit every loss term.
+
+    With a Keras mask on the output, a micro-batch is weighted by its valid
+    elements, right for the masked loss; an activity regularizer adds a
+    per-sample penalty, which the large batch weights by samples.
+    """
+    model_class = type(model)
+    if not _has_default_micro_batch_weight(model_class):
+        return
+    masked = any(
+        details.get_keras_mask(output) is not None
+        for output in tf.nest.flatten(y_pred)
+        if output is not None
+    )
+    regularized = [
+        layer.name for layer in model._flatten_layers()
+        if getattr(layer, "activity_regularizer", None) is not None
+    ]
+    if masked and regularized:
+        warn_once(
+            model_class,
+            "The output carries a Keras mask, so each micro-batch is "
+            "weighted by its valid elements, but layers "
+            f"{regularized} add an activity penalty per sample: the window "
+            "then weights that penalty unlike the large batch does. Override "
+            "`micro_batch_weight` (e.g. to return the batch size), or drop "
+            "the activity regularizer, to make the trade-off explicit.",
+        )
