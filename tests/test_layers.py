@@ -215,9 +215,15 @@ def _all_of(module):
 
 
 def _top_level_names(module):
+    """Names a module defines at its top level, in both arms of a top-level
+    `if` too (an adapter picks its backend's modules so)."""
     tree = ast.parse(MODULES[module].read_text())
     names = set()
+    body = list(tree.body)
     for node in tree.body:
+        if isinstance(node, ast.If):
+            body += node.body + node.orelse
+    for node in body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names |= {(a.asname or a.name).split(".")[0] for a in node.names}
         elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):

@@ -27,6 +27,7 @@ from accum_model.keras2.saving import clones_through_constructor
 from accum_model.keras2.saving import functional_constructor_signature
 from accum_model.keras2.saving import register_plain_name
 from accum_model.keras2.saving import serialize_as
+from accum_model.keras2.training import BACKEND
 from accum_model.keras2.training import END_OF_DATA_ERRORS
 from accum_model.keras2.training import Accumulation
 from accum_model.keras2.training import accumulate_gradients
@@ -47,6 +48,7 @@ from accum_model.keras2.training import steps_per_execution
 
 __all__ = [
     "Accumulation",
+    "BACKEND",
     "END_OF_DATA_ERRORS",
     "Functional",
     "LOSS_REDUCTIONS",

@@ -11,10 +11,11 @@ import contextlib
 
 import tensorflow as tf
 
-from accum_model.tensorflow import divisor
+from accum_model.core import divisor
 from accum_model.core.patch import identity
 from accum_model.core.patch import replaced
 from accum_model.keras2.package import src
+from accum_model.tensorflow.ops import TF_SHAPES
 
 _losses_utils = src("utils.losses_utils")
 
@@ -114,7 +115,8 @@ def recording_loss_reductions():
         mask = masks.pop() if masks else None
         if reduction not in (None, "none", divisor.SUM):
             reduction = "sum_over_batch_size"  # What "auto" means here.
-        records.append(divisor.reduction_of(losses, reduction, mask))
+        records.append(divisor.reduction_of(losses, reduction, TF_SHAPES,
+                                            mask))
         return loss
 
     with replaced(_losses_utils, {"apply_valid_mask": noting_mask,

@@ -19,7 +19,7 @@ from accum_model.keras2.package import keras
 from accum_model.tensorflow import training as tf_training
 from accum_model.tensorflow.accumulation import Accumulation
 
-__all__ = ["Accumulation", "END_OF_DATA_ERRORS", "ModelDifferences",
+__all__ = ["Accumulation", "BACKEND", "END_OF_DATA_ERRORS", "ModelDifferences",
            "STEPS_PER_EXECUTION_FIX", "accumulate_gradients",
            "accumulating_train_step", "check_strategy",
            "default_micro_batch_weight", "replicas_in_sync",
@@ -27,6 +27,9 @@ __all__ = ["Accumulation", "END_OF_DATA_ERRORS", "ModelDifferences",
            "foreign_variables_in_graph", "is_foreign_layer", "layers_of", "logs_for_reduction",
            "micro_steps_in_epoch", "model_keyword_arguments",
            "steps_per_execution"]
+
+# Keras 2 trains on TensorFlow only.
+BACKEND = "tensorflow"
 
 # What a run of the train function raises when the data has run out.
 END_OF_DATA_ERRORS = (StopIteration, tf.errors.OutOfRangeError)

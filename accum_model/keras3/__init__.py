@@ -2,8 +2,12 @@
 
 `accum_model.keras2` offers the same names (`__all__`) for Keras 2; the
 model layer is written once against them and reaches this package only
-through `accum_model._chooser`. Each module says which Keras 3 versions its
-private details were checked on.
+through `accum_model._chooser`. Most modules here hold on every Keras 3
+backend; the training step, the window's state and saving are each
+backend's, and this package picks them as Keras picks its backend
+(`keras/src/backend/__init__.py`): `tensorflow_*` modules on TensorFlow,
+`jax_training` on JAX. Each module says which Keras 3 versions its private
+details were checked on.
 """
 
 import keras
@@ -16,37 +20,68 @@ from accum_model.keras3.losses import loss_logged_by_window
 from accum_model.keras3.losses import losses_not_divided_by_replicas
 from accum_model.keras3.losses import recording_loss_reductions
 from accum_model.keras3.losses import track_loss
-from accum_model.keras3.optimizer import LossScaling
-from accum_model.keras3.normalization import pools_moving_statistics
-from accum_model.keras3.normalization import recording_batch_statistics
 from accum_model.keras3.optimizer import check_optimizer
 from accum_model.keras3.optimizer import float16_gradient_flags
 from accum_model.keras3.saving import Functional
-from accum_model.keras3.saving import WindowCheckpoint
 from accum_model.keras3.saving import clones_through_constructor
 from accum_model.keras3.saving import functional_constructor_signature
 from accum_model.keras3.saving import register_plain_name
 from accum_model.keras3.saving import serialize_as
-from accum_model.keras3.training import END_OF_DATA_ERRORS
-from accum_model.keras3.training import Accumulation
-from accum_model.keras3.training import accumulate_gradients
-from accum_model.keras3.training import accumulating_train_step
-from accum_model.keras3.training import default_micro_batch_weight
-from accum_model.keras3.training import replicas_in_sync
-from accum_model.keras3.training import STEPS_PER_EXECUTION_FIX
-from accum_model.keras3.training import ModelDifferences
-from accum_model.keras3.training import check_strategy
-from accum_model.keras3.training import executions_stop_cleanly_at_end_of_data
-from accum_model.keras3.training import foreign_variables_in_graph
-from accum_model.keras3.training import is_foreign_layer
 from accum_model.keras3.training import layers_of
-from accum_model.keras3.training import logs_for_reduction
 from accum_model.keras3.training import micro_steps_in_epoch
 from accum_model.keras3.training import model_keyword_arguments
 from accum_model.keras3.training import steps_per_execution
 
+from accum_model.keras3.training import BACKEND
+
+if BACKEND == "jax":
+    from accum_model.keras3.jax_training import END_OF_DATA_ERRORS
+    from accum_model.keras3.jax_training import STEPS_PER_EXECUTION_FIX
+    from accum_model.keras3.jax_training import Accumulation
+    from accum_model.keras3.jax_training import LossScaling
+    from accum_model.keras3.jax_training import ModelDifferences
+    from accum_model.keras3.jax_training import WindowCheckpoint
+    from accum_model.keras3.jax_training import accumulate_gradients
+    from accum_model.keras3.jax_training import accumulating_train_step
+    from accum_model.keras3.jax_training import check_strategy
+    from accum_model.keras3.jax_training import default_micro_batch_weight
+    from accum_model.keras3.jax_training import (
+        executions_stop_cleanly_at_end_of_data)
+    from accum_model.keras3.jax_training import foreign_variables_in_graph
+    from accum_model.keras3.jax_training import is_foreign_layer
+    from accum_model.keras3.jax_training import logs_for_reduction
+    from accum_model.keras3.jax_training import pools_moving_statistics
+    from accum_model.keras3.jax_training import recording_batch_statistics
+    from accum_model.keras3.jax_training import replicas_in_sync
+else:
+    from accum_model.keras3.tensorflow_normalization import (
+        pools_moving_statistics)
+    from accum_model.keras3.tensorflow_normalization import (
+        recording_batch_statistics)
+    from accum_model.keras3.tensorflow_optimizer import LossScaling
+    from accum_model.keras3.tensorflow_saving import WindowCheckpoint
+    from accum_model.keras3.tensorflow_training import END_OF_DATA_ERRORS
+    from accum_model.keras3.tensorflow_training import (
+        STEPS_PER_EXECUTION_FIX)
+    from accum_model.keras3.tensorflow_training import Accumulation
+    from accum_model.keras3.tensorflow_training import ModelDifferences
+    from accum_model.keras3.tensorflow_training import accumulate_gradients
+    from accum_model.keras3.tensorflow_training import (
+        accumulating_train_step)
+    from accum_model.keras3.tensorflow_training import check_strategy
+    from accum_model.keras3.tensorflow_training import (
+        default_micro_batch_weight)
+    from accum_model.keras3.tensorflow_training import (
+        executions_stop_cleanly_at_end_of_data)
+    from accum_model.keras3.tensorflow_training import (
+        foreign_variables_in_graph)
+    from accum_model.keras3.tensorflow_training import is_foreign_layer
+    from accum_model.keras3.tensorflow_training import logs_for_reduction
+    from accum_model.keras3.tensorflow_training import replicas_in_sync
+
 __all__ = [
     "Accumulation",
+    "BACKEND",
     "END_OF_DATA_ERRORS",
     "Functional",
     "LOSS_REDUCTIONS",

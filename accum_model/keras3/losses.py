@@ -1,17 +1,18 @@
 """Keras 3's losses: what a micro-batch's loss is divided by, and its log.
 
-Checked on keras 3.6.0 / TF 2.16.2, 3.10.0 / TF 2.18.1 and 3.15.1 /
-TF 2.21.0 (the tests that exercise each function pass, `.ci/matrix`).
+Backend-free (`keras.ops`). Checked on keras 3.6.0 / TF 2.16.2, 3.10.0 /
+TF 2.18.1 and 3.15.1 / TF 2.21.0 and on keras 3.15.1 / JAX (the tests that
+exercise each function pass, `.ci/matrix`).
 """
 
 import contextlib
 import inspect
 
-import tensorflow as tf
+from keras import ops
 from keras.src.backend.common.masking import get_keras_mask
 from keras.src.losses import loss as keras_loss_module
 
-from accum_model.tensorflow import divisor
+from accum_model.core import divisor
 from accum_model.core.patch import identity
 from accum_model.core.patch import replaced
 
@@ -84,14 +85,15 @@ def losses_not_divided_by_replicas():
 
 
 @contextlib.contextmanager
-def recording_loss_reductions():
+def recording_loss_reductions(shape_ops):
     """Records how Keras reduces each loss computed inside the context.
 
     Wraps `keras.src.losses.loss.reduce_weighted_values`, the one place
     where a `keras.losses.Loss` (built-in, subclassed, or a plain function
     Keras wraps) reduces its per-element values, with the mask made by the
     loss itself (`ignore_class`) already merged with the prediction's. The
-    returned list receives one `divisor.Reduction` per loss term.
+    returned list receives one `divisor.Reduction` per loss term, read
+    through the backend's `shape_ops` (`divisor.ShapeOps`).
     """
     records = []
     original = keras_loss_module.reduce_weighted_values
@@ -104,11 +106,11 @@ def recording_loss_reductions():
         if reduction == "mean_with_sample_weight" and (
             sample_weight is not None or mask is not None
         ):
-            weight_sum = tf.reduce_sum(
+            weight_sum = ops.sum(
                 _merged_sample_weight(values, sample_weight, mask, reduction)
             )
-        records.append(divisor.reduction_of(values, reduction, mask,
-                                            weight_sum))
+        records.append(divisor.reduction_of(values, reduction, shape_ops,
+                                            mask, weight_sum))
         return loss
 
     with replaced(keras_loss_module, {"reduce_weighted_values": recording}):
@@ -122,19 +124,20 @@ def _merged_sample_weight(values, sample_weight, mask, reduction):
     (keras.src.losses.loss), so "mean_with_sample_weight" divides by what
     Keras divides by.
     """
-    values = tf.convert_to_tensor(values)
+    values = ops.convert_to_tensor(values)
     weights = keras_loss_module.apply_mask(
         sample_weight, mask, dtype=values.dtype, reduction=reduction
     )
     if weights is None:
-        return tf.ones_like(values)
-    weights = tf.cast(weights, values.dtype)
+        return ops.ones_like(values)
+    weights = ops.cast(weights, values.dtype)
     _, weights = keras_loss_module.squeeze_or_expand_to_same_rank(
         values, weights
     )
-    return tf.cast(weights, tf.float32)
+    return ops.cast(weights, "float32")
 
 
 def _value(variable):
-    """A Keras variable's value as a tensor (summed over replicas)."""
-    return tf.convert_to_tensor(getattr(variable, "value", variable))
+    """A Keras variable's value as a tensor (summed over replicas: a cast
+    reads a synchronised-on-read variable, which conversion hands back)."""
+    return ops.cast(variable, "float32")

@@ -7,12 +7,10 @@ TF 2.21.0 (the tests that exercise each helper pass, `.ci/matrix`).
 from keras.src.models.functional import Functional
 from keras.src.models.functional import functional_like_constructor
 from keras.src.saving import object_registration
-from keras.src.saving.keras_saveable import KerasSaveable
 
-from accum_model.tensorflow import checkpoint
 from accum_model.core import class_tree
 
-__all__ = ["Functional", "WindowCheckpoint", "clones_through_constructor",
+__all__ = ["Functional", "clones_through_constructor",
            "functional_constructor_signature", "register_plain_name",
            "serialize_as"]
 
@@ -53,33 +51,3 @@ def clones_through_constructor(model_class, after):
     return functional_like_constructor(
         class_tree.next_init_class(model_class, after)
     )
-
-
-class WindowCheckpoint(KerasSaveable, checkpoint.WindowCheckpoint):
-    """The open window, in Keras files and in TensorFlow checkpoints.
-
-    Keras files (`save_weights`, `.keras`, `ModelCheckpoint`,
-    `BackupAndRestore`): `saving_lib._walk_saveable` visits every attribute
-    of the model that is a `KerasSaveable`, private ones last, and calls its
-    `save_own_variables` / `load_own_variables` with an entry of its own;
-    a file without that entry gives an empty one, and a model without the
-    attribute never asks for it (a plain `keras.Model` loads such a file).
-    Keras files store nothing while no window exists, so they stay what a
-    plain model would write. TensorFlow checkpoints: see the core class.
-
-    Args:
-        accumulation: The `Accumulation` whose window is saved.
-    """
-
-    def _obj_type(self):
-        # Which of Keras's attribute skip-sets applies when the saver walks
-        # this object; it holds no Keras objects of its own.
-        return "Layer"
-
-    def save_own_variables(self, store):
-        if self.has_state():
-            for key, value in self.saved_state().items():
-                store[key] = value
-
-    def load_own_variables(self, store):
-        self.restore_state({key: store[key] for key in store.keys()})

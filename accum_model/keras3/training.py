@@ -1,170 +1,32 @@
-"""Keras 3's training loop, as a window needs it.
+"""Keras 3's training loop, as a window needs it, on every backend.
 
 Each helper names the private member it touches, so a Keras upgrade is one
 file to review. Where Keras 3 versions differ, the helper detects what the
-running Keras offers rather than reading its version.
-
-Checked (the tests that exercise each helper pass, `.ci/matrix`) on:
-
-| helper | keras 3.6.0 / TF 2.16.2 | 3.10.0 / TF 2.18.1 | 3.15.1 / TF 2.21.0 |
-|---|---|---|---|
-| `ModelDifferences` (`_maybe_symbolic_build`; epoch iterator of 2 or 3 items, or `enumerate_epoch`) | yes | yes | yes |
-| `executions_stop_cleanly_at_end_of_data` | no (refused) | yes | yes |
-| `logs_for_reduction` | yes | yes | yes |
-| `layers_of` (`Layer._flatten_layers`), `is_foreign_layer` | yes | yes | yes |
-| `model_keyword_arguments` | yes | yes | yes |
+running Keras offers rather than reading its version. Checked on keras
+3.6.0, 3.10.0 and 3.15.1 (TensorFlow) and 3.15.1 (JAX); see
+`tensorflow_training` and `jax_training` for each backend's own.
 """
 
 import inspect
 import math
 
 import keras
-import tensorflow as tf
-from keras import tree
 from keras.src.models.functional import Functional
 
-from accum_model.keras3 import losses
-from accum_model.keras3 import normalization
-from accum_model.tensorflow import training as tf_training
-from accum_model.tensorflow.accumulation import Accumulation
+__all__ = ["BACKEND", "layers_of", "micro_steps_in_epoch",
+           "model_keyword_arguments", "steps_per_execution"]
 
-__all__ = ["Accumulation", "END_OF_DATA_ERRORS", "ModelDifferences",
-           "STEPS_PER_EXECUTION_FIX", "accumulate_gradients",
-           "accumulating_train_step", "check_strategy",
-           "default_micro_batch_weight", "replicas_in_sync",
-           "executions_stop_cleanly_at_end_of_data",
-           "foreign_variables_in_graph", "is_foreign_layer", "layers_of", "logs_for_reduction",
-           "micro_steps_in_epoch", "model_keyword_arguments",
-           "steps_per_execution"]
-
-# What a run of the train function raises when the data has run out.
-END_OF_DATA_ERRORS = (StopIteration,)
-
-STEPS_PER_EXECUTION_FIX = (
-    f"With keras {keras.__version__}, `steps_per_execution > 1` can run part "
-    "of a training step when the data runs out inside an execution, which "
-    "would leave a window half updated. Compile with steps_per_execution=1, "
-    "or upgrade: pip install 'keras>=3.8'"
-)
-
-
-class ModelDifferences:
-    """What the Keras 3 `AccumulatingModel` does unlike the Keras 2 one."""
-
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # A private Keras hook; see `symbolic_build_from_local_batch`.
-        distributed = getattr(self, "_distribute_strategy", None) is not None
-        if (not self._accumulation.accumulates or not distributed
-                or iterator is None):
-            return super()._maybe_symbolic_build(iterator, data_batch)
-        symbolic_build_from_local_batch(self, iterator)
-
-
-def check_strategy(model):
-    """Refuses strategies whose variables live off-replica."""
-    tf_training.check_strategy(model.distribute_strategy)
-
-
-def replicas_in_sync(model):
-    """Int. Replicas the model trains on (its strategy's)."""
-    return model.distribute_strategy.num_replicas_in_sync
-
-
-def accumulating_train_step(model, data):
-    """One micro step (see `accum_model.tensorflow.training`)."""
-    return tf_training.train_step(model, data, _KERAS_DETAILS)
-
-
-def default_micro_batch_weight(model, x, y_pred):
-    """What Keras divided this micro step's loss by."""
-    return tf_training.default_micro_batch_weight(model, x, y_pred,
-                                                  _KERAS_DETAILS)
-
-
-accumulate_gradients = tf_training.accumulate_gradients
+# The Keras backend of this process ("tensorflow" or "jax").
+BACKEND = keras.backend.backend()
 
 
 def steps_per_execution(model):
     return int(getattr(model, "steps_per_execution", 1) or 1)
 
-
 def micro_steps_in_epoch(steps, steps_per_execution):
     """Steps an epoch of `steps` runs: Keras 3 runs whole executions, so up
     to the next multiple of `steps_per_execution`."""
     return math.ceil(steps / steps_per_execution) * steps_per_execution
-
-
-def executions_stop_cleanly_at_end_of_data():
-    """Whether `steps_per_execution > 1` ends an epoch between steps.
-
-    From keras 3.8 on (checked on 3.10 and 3.15) the TensorFlow trainer
-    builds its train function in `TensorFlowTrainer._make_function`, whose
-    loop asks `get_next_as_optional` before each step. keras 3.6's runs
-    `next(iterator)` steps in one `tf.function`, and when the data runs out
-    inside an execution part of a step's updates may already have run.
-    """
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    return hasattr(TensorFlowTrainer, "_make_function")
-
-
-def symbolic_build_from_local_batch(model, iterator):
-    """Builds model, compiled loss and metrics from the first local batch.
-
-    Replaces `TensorFlowTrainer._maybe_symbolic_build`, which reduces the
-    first distributed batch across replicas with `strategy.reduce`. Under
-    MultiWorkerMirroredStrategy with two workers that raises "Attempt to
-    convert a value (PerReplica...)" before training starts (plain
-    `keras.Model` too), and under MirroredStrategy it fails when the first
-    batch splits unevenly. Only shapes matter here, so the first replica's
-    local batch serves. Calls the private `Trainer._symbolic_build`.
-    """
-    strategy = model.distribute_strategy
-    for step in _epoch_steps(iterator):
-        # The data iterator comes last: (begin, end, iterator) in keras
-        # 3.11+, (step, iterator) before.
-        batch = next(step[-1])
-        break
-    else:
-        return
-
-    def local(value):
-        if isinstance(value, tf.distribute.DistributedValues):
-            return strategy.experimental_local_results(value)[0]
-        return value
-
-    with strategy.scope():
-        model._symbolic_build(data_batch=tree.map_structure(local, batch))
-
-
-def _epoch_steps(epoch_iterator):
-    """Steps of a Keras `EpochIterator`: iterable from keras 3.8 on, through
-    `enumerate_epoch()` before."""
-    if hasattr(epoch_iterator, "__iter__"):
-        return iter(epoch_iterator)
-    return epoch_iterator.enumerate_epoch()
-
-
-def logs_for_reduction(logs, strategy):
-    """Shapes `train_step` logs so that Keras can reduce them over workers.
-
-    Under MultiWorkerMirroredStrategy in multi-worker mode, Keras's
-    `reduce_per_replica` averages each log with
-    `strategy.reduce("MEAN", value, axis=0)`, which raises "Invalid reduction
-    dimension 0 for input with 0 dimensions" on the scalar logs every
-    `train_step` returns. Giving scalars one axis of length 1 makes that
-    reduction the mean over replicas, a scalar again.
-    """
-    multi_worker = isinstance(
-        strategy, tf.distribute.MultiWorkerMirroredStrategy
-    ) and strategy.extended._in_multi_worker_mode()
-    if not multi_worker:
-        return logs
-    return {
-        name: tf.reshape(value, [1]) if value.shape.rank == 0 else value
-        for name, value in logs.items()
-    }
-
 
 def model_keyword_arguments(functional):
     """Keyword arguments Keras's model constructor accepts.
@@ -186,39 +48,6 @@ def model_keyword_arguments(functional):
         names.discard("kwargs")
     return names
 
-
 def layers_of(model):
     """The model and every layer in it (private `Layer._flatten_layers`)."""
     return [model] + list(model._flatten_layers(include_self=False))
-
-
-def foreign_variables_in_graph(model):
-    """Nothing to find: a Keras 2 layer called on a Keras 3 symbolic tensor
-    raises while the graph is built (keras 3.15.1 with tf_keras 2.21)."""
-    del model
-    return []
-
-
-def is_foreign_layer(value):
-    """Whether `value` is a Keras 2 layer, whose weights Keras 3 does not see.
-
-    Keras 2 (`tf_keras`, or TensorFlow 2.15's own) layers are `tf.Module`s,
-    and Keras 3 layers are not; Keras 3 tracks neither their weights nor
-    their sub-layers.
-    """
-    return (isinstance(value, tf.Module)
-            and hasattr(value, "trainable_weights")
-            and not isinstance(value, keras.layers.Layer))
-
-
-_KERAS_DETAILS = tf_training.KerasDetails(
-    unpack_x_y_sample_weight=keras.utils.unpack_x_y_sample_weight,
-    compute_loss=losses.compute_loss,
-    get_keras_mask=losses.get_keras_mask,
-    layers_of=layers_of,
-    logs_for_reduction=logs_for_reduction,
-    loss_logged_by_window=losses.loss_logged_by_window,
-    losses_not_divided_by_replicas=losses.losses_not_divided_by_replicas,
-    recording_batch_statistics=normalization.recording_batch_statistics,
-    recording_loss_reductions=losses.recording_loss_reductions,
-)

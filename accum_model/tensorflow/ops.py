@@ -1,11 +1,27 @@
-"""TensorFlow's `ArrayOps`, for the window's arithmetic."""
+"""TensorFlow's operations for the backend-free arithmetic of the core."""
 
 import tensorflow as tf
 
 from accum_model.core.arithmetic import ArrayOps
+from accum_model.core.divisor import ShapeOps
+
+
+def _to_float32(value):
+    return tf.cast(value, tf.float32)
+
 
 TF_OPS = ArrayOps(
     where=tf.where, minimum=tf.minimum, maximum=tf.maximum,
-    zeros_like=tf.zeros_like, ones_like=tf.ones_like,
-    to_float32=lambda value: tf.cast(value, tf.float32),
+    zeros_like=tf.zeros_like, ones_like=tf.ones_like, to_float32=_to_float32,
+)
+
+TF_SHAPES = ShapeOps(
+    convert=tf.convert_to_tensor,
+    count=lambda value: _to_float32(tf.size(value)),
+    count_true=lambda mask: tf.reduce_sum(_to_float32(mask)),
+    first_dimension=lambda value: tf.shape(value)[0],
+    leading_elements=lambda value: _to_float32(
+        tf.reduce_prod(tf.shape(value)[:-1])),
+    flatten=tf.nest.flatten,
+    to_float32=_to_float32,
 )

@@ -12,8 +12,9 @@ import collections
 import tensorflow as tf
 
 from accum_model.core import class_tree
+from accum_model.core import divisor
 from accum_model.core.messages import warn_once
-from accum_model.tensorflow import divisor
+from accum_model.tensorflow.ops import TF_SHAPES
 
 KerasDetails = collections.namedtuple("KerasDetails", [
     # `(data) -> (x, y, sample_weight)`, Keras's own unpacking.
@@ -63,7 +64,7 @@ def train_step(model, data, details):
     window = accumulation.window
     gradients = tape.gradient(scaled_loss, window.trainable_variables)
     gradients = model.get_unscaled_gradients(gradients)
-    batch_size = divisor.batch_size(x)
+    batch_size = divisor.batch_size(x, TF_SHAPES)
 
     # The loss is a mean over `weight` elements; multiplying it back
     # gives the gradient of the summed loss, which the window end
@@ -95,10 +96,11 @@ def default_micro_batch_weight(model, x, y_pred, details):
     """What Keras divided the compiled loss by in this micro step (see
     `AccumulatingModel.micro_batch_weight`), as a float32 scalar."""
     if model._accumulation.weight_from_batch_size:
-        return tf.cast(divisor.batch_size(x), tf.float32)
+        return tf.cast(divisor.batch_size(x, TF_SHAPES), tf.float32)
     weight = divisor.micro_batch_weight(
         getattr(model, "_traced_loss_reductions", []),
-        lambda: divisor.fallback_divisor(x, y_pred, details.get_keras_mask),
+        lambda: divisor.fallback_divisor(x, y_pred, details.get_keras_mask,
+                                         TF_SHAPES),
         type(model).__name__, has_other_losses=bool(model.losses),
     )
     return tf.constant(1.0) if weight is divisor.SUM else weight

@@ -4,12 +4,30 @@ A window is exact when each micro-batch's gradient is weighted by that
 divisor. Each Keras adapter reads it where its Keras reduces a loss (its
 `recording_loss_reductions`), where every mask is known: the Keras mask on
 the prediction, the mask a loss makes itself (such as `ignore_class`), and
-the sample weights. This module holds the arithmetic both share.
+the sample weights. This module holds the arithmetic all of them share;
+the tensors it reads come through a `ShapeOps` of the backend in use.
 """
 
-import tensorflow as tf
+import collections
 
 from accum_model.core.messages import warn_once
+
+ShapeOps = collections.namedtuple("ShapeOps", [
+    # `(value) -> tensor`.
+    "convert",
+    # `(tensor) -> float32`: its number of elements.
+    "count",
+    # `(mask) -> float32`: its number of true elements.
+    "count_true",
+    # `(tensor) -> int32`: its first dimension.
+    "first_dimension",
+    # `(tensor) -> float32`: the product of its dimensions but the last.
+    "leading_elements",
+    # `(structure) -> list`: its leaves, as Keras flattens it.
+    "flatten",
+    # `(tensor) -> float32`.
+    "to_float32",
+])
 
 # A loss reduced with "sum" is divided by nothing: its window is the sum.
 SUM = "sum"
@@ -34,7 +52,7 @@ class Reduction:
         self.may_vary = may_vary
 
 
-def reduction_of(values, reduction, mask=None, weight_sum=None):
+def reduction_of(values, reduction, ops, mask=None, weight_sum=None):
     """The `Reduction` Keras applies to per-element loss `values`.
 
     Args:
@@ -42,30 +60,29 @@ def reduction_of(values, reduction, mask=None, weight_sum=None):
         reduction: Str. The loss's reduction, as the Keras in use names it
             ("sum_over_batch_size", "mean", "mean_with_sample_weight",
             "sum"; None or "none" for an unreduced loss).
+        ops: The backend's `ShapeOps`.
         mask: Bool tensor of the valid elements, or None.
         weight_sum: Float32 scalar tensor, or None. What a mean weighted by
             the sample weights (Keras 3's "mean_with_sample_weight") divides
             by, when it does.
     """
-    values = tf.convert_to_tensor(values)
-    if reduction in (None, "none") or values.shape.rank == 0:
+    values = ops.convert(values)
+    if reduction in (None, "none") or len(values.shape) == 0:
         return Reduction(reduction, None, may_vary=True)
     if reduction == SUM:
         return Reduction(SUM, None, may_vary=False)
     if weight_sum is not None:
         return Reduction(reduction, weight_sum, may_vary=True)
     if mask is not None:
-        valid = tf.reduce_sum(tf.cast(mask, tf.float32))
-        return Reduction(reduction, valid, may_vary=True)
-    count = tf.cast(tf.size(values), tf.float32)
+        return Reduction(reduction, ops.count_true(mask), may_vary=True)
     unknown_length = any(d is None for d in values.shape[1:])
-    return Reduction(reduction, count, may_vary=unknown_length)
+    return Reduction(reduction, ops.count(values), may_vary=unknown_length)
 
 
-def batch_size(x):
+def batch_size(x, ops):
     """The number of samples in a batch of inputs `x`, as an int32 tensor."""
-    first_input = next(i for i in tf.nest.flatten(x) if i is not None)
-    return tf.shape(first_input)[0]
+    first_input = next(i for i in ops.flatten(x) if i is not None)
+    return ops.first_dimension(first_input)
 
 
 def is_summed(reductions):
@@ -129,7 +146,7 @@ def micro_batch_weight(reductions, fallback, model_name, has_other_losses):
     return first.divisor
 
 
-def fallback_divisor(x, y_pred, get_mask):
+def fallback_divisor(x, y_pred, get_mask, ops):
     """Keras's divisor read from the first output, when no loss was seen.
 
     Losses reduce the last axis of the prediction, so an element is one
@@ -139,18 +156,18 @@ def fallback_divisor(x, y_pred, get_mask):
         x: The micro-batch's inputs.
         y_pred: The predictions (nested structure).
         get_mask: Callable returning a tensor's Keras mask, or None.
+        ops: The backend's `ShapeOps`.
     """
-    outputs = [o for o in tf.nest.flatten(y_pred) if o is not None]
+    outputs = [o for o in ops.flatten(y_pred) if o is not None]
     if not outputs:
-        return tf.cast(batch_size(x), tf.float32)
+        return ops.to_float32(batch_size(x, ops))
     output = outputs[0]
     mask = get_mask(output)
     if mask is not None:
-        return tf.reduce_sum(tf.cast(mask, tf.float32))
-    shape = tf.shape(output)
-    if output.shape.rank is not None and output.shape.rank <= 1:
-        return tf.cast(shape[0], tf.float32)
-    return tf.cast(tf.reduce_prod(shape[:-1]), tf.float32)
+        return ops.count_true(mask)
+    if len(output.shape) <= 1:
+        return ops.count(output)
+    return ops.leading_elements(output)
 
 
 def _warn_once(model_name, message):
