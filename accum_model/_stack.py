@@ -1,18 +1,21 @@
 """Finds the Keras this process trains with, or refuses the stack clearly.
 
-accum_model follows `tf.keras.Model`: Keras 3 (keras >= 3.6 on TensorFlow)
-or Keras 2 (TensorFlow 2.13-2.15's own Keras, or `tf_keras` with
-`TF_USE_LEGACY_KERAS=1`). Anything else is refused at import with what was
+accum_model follows the Keras that trains: Keras 3 (keras >= 3.6 on
+TensorFlow, or on JAX) or Keras 2 (TensorFlow 2.13-2.15's own Keras, or
+`tf_keras` with `TF_USE_LEGACY_KERAS=1`). Anything else is refused at import with what was
 found, what is needed, and the command that fixes it, instead of an
 unrelated error later (or a model that trains nothing).
 """
 
+import importlib.util
 import os
 
 # The oldest Keras 3 whose every private detail in `accum_model.keras3` was
 # checked (keras 3.6.0 with TensorFlow 2.16.2, in CI), and the oldest
 # Keras 2 (TensorFlow 2.13's) that `accum_model.keras2` was written against.
 KERAS_FLOOR = (3, 6)
+# The Keras 3 backends an adapter exists for.
+SUPPORTED_BACKENDS = ("tensorflow", "jax")
 KERAS_2_FLOOR = (2, 13)
 
 
@@ -25,13 +28,12 @@ def check_stack():
     """Returns 2 or 3, the Keras behind `tf.keras`, or raises ImportError."""
     if legacy_keras_requested():
         return _check_tf_keras()
-    try:
-        import keras
-    except ImportError as error:
+    if importlib.util.find_spec("keras") is None:
         raise ImportError(
-            "accum_model needs Keras on TensorFlow, and keras is not "
-            "installed. Fix: pip install 'keras>=3.6' tensorflow"
-        ) from error
+            "accum_model needs Keras, and keras is not installed. Fix: pip "
+            "install 'keras>=3.6' tensorflow (or jax)"
+        )
+    import keras
     found = getattr(keras, "__version__", "unknown")
     major_minor = _major_minor(found)
     if major_minor is not None and major_minor[0] == 2:
@@ -49,11 +51,13 @@ def check_stack():
             "'tensorflow>=2.16'"
         )
     backend = keras.backend.backend()
-    if backend != "tensorflow":
+    if backend not in SUPPORTED_BACKENDS:
         raise ImportError(
-            "accum_model trains with TensorFlow's distribution strategies and "
-            f"needs the Keras backend 'tensorflow'; found '{backend}'. Fix: "
-            "export KERAS_BACKEND=tensorflow (and pip install tensorflow)"
+            "accum_model runs on the Keras backends "
+            f"{', '.join(repr(b) for b in SUPPORTED_BACKENDS)}; found "
+            f"'{backend}'. Fix: export KERAS_BACKEND=tensorflow (and pip "
+            "install tensorflow), or KERAS_BACKEND=jax (and pip install "
+            "jax)"
         )
     return 3
 
@@ -62,14 +66,19 @@ def _check_tf_keras():
     try:
         import tf_keras
     except ImportError as error:
-        import tensorflow as tf
-
+        try:
+            import tensorflow as tf
+        except ImportError:
+            # Neither is there (a JAX environment, say).
+            requirement = "tensorflow tf-keras"
+        else:
+            major, minor = _major_minor(tf.__version__)
+            requirement = f"'tf-keras~={major}.{minor}.0'"
         raise ImportError(
             "TF_USE_LEGACY_KERAS is set, so `tf.keras` is Keras 2 from the "
             "tf_keras package, which is not installed. Fix: pip install "
-            f"'tf-keras~={_major_minor(tf.__version__)[0]}."
-            f"{_major_minor(tf.__version__)[1]}.0', or unset "
-            "TF_USE_LEGACY_KERAS to train with Keras 3"
+            f"{requirement}, or unset TF_USE_LEGACY_KERAS to train with "
+            "Keras 3"
         ) from error
     found = getattr(tf_keras, "__version__", "unknown")
     major_minor = _major_minor(found)

@@ -65,9 +65,9 @@ class WindowCallback(keras.callbacks.Callback):
         epoch that ended.
         """
 
-        def train_function_applying_open_window(iterator):
+        def train_function_applying_open_window(*args):
             try:
-                return train_function(iterator)
+                return train_function(*args)
             except adapter.END_OF_DATA_ERRORS:
                 if model.flush_each_epoch:
                     model.apply_open_window()

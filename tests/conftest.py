@@ -34,14 +34,18 @@ if len(set(_TENSORFLOWS.values())) > 1:
     )
 
 import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
-# Distribution tests need two replicas; the split must happen before
-# TensorFlow initialises its devices, so it is done once, here.
-_cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    _cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-)
+from backends import ON_TENSORFLOW  # noqa: E402
+
+if ON_TENSORFLOW:
+    import tensorflow as tf
+
+    # Distribution tests need two replicas; the split must happen before
+    # TensorFlow initialises its devices, so it is done once, here.
+    _cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        _cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -61,4 +65,6 @@ def two_replicas():
     a later test's collective ops failed with "Shape mismatch in the
     collective instance" against an earlier test's gradient shapes.
     """
+    if not ON_TENSORFLOW:
+        pytest.skip("TensorFlow backend only: MirroredStrategy")
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])

@@ -2,7 +2,6 @@
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from accum_model import AccumulatingModel
 
@@ -132,6 +131,8 @@ def batch_norm_mlp(model_class, **kwargs):
 
 def traced_step(model, strategy, x, y):
     """The GraphDef of one training step, as `fit()` would run it."""
+    import tensorflow as tf
+
     model.make_train_function()
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
     element = next(iter(strategy.experimental_distribute_dataset(dataset)))
@@ -159,3 +160,8 @@ def collective_reductions(graph_def, num_replicas):
 
     visit(graph_def.node, False)
     return {k: v / num_replicas for k, v in counts.items()}
+
+
+def numpy_of(value):
+    """A variable's or tensor's value as a NumPy array, on any backend."""
+    return np.asarray(keras.ops.convert_to_numpy(value))

@@ -9,7 +9,6 @@ several trials.
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from accum_model import AccumulatingModel
 from helpers import iterations
@@ -18,6 +17,11 @@ from helpers import mlp
 from helpers import regression_data
 from helpers import windows_reference
 from helpers import skip_unless_executions_stop_cleanly
+from backends import ON_TENSORFLOW
+from backends import tensorflow_only
+
+if ON_TENSORFLOW:
+    import tensorflow as tf
 
 TRIALS = 5
 
@@ -28,12 +32,15 @@ def _generator(x, y, micro_batch):
 
 
 def _sources(x, y, micro_batch):
-    signature = (tf.TensorSpec((None, x.shape[1])),
-                 tf.TensorSpec((None, y.shape[1])))
+    def signature():
+        return (tf.TensorSpec((None, x.shape[1])),
+                tf.TensorSpec((None, y.shape[1])))
+
     return {
         "python_generator": lambda: _generator(x, y, micro_batch),
         "from_generator": lambda: tf.data.Dataset.from_generator(
-            lambda: _generator(x, y, micro_batch), output_signature=signature
+            lambda: _generator(x, y, micro_batch),
+            output_signature=signature(),
         ),
         "unknown_cardinality": lambda: tf.data.Dataset.from_tensor_slices(
             (x, y)
@@ -41,8 +48,12 @@ def _sources(x, y, micro_batch):
     }
 
 
-@pytest.mark.parametrize("source", ["python_generator", "from_generator",
-                                    "unknown_cardinality"])
+TF_DATA = tensorflow_only("tf.data")
+
+
+@pytest.mark.parametrize("source", [
+    "python_generator", pytest.param("from_generator", marks=TF_DATA),
+    pytest.param("unknown_cardinality", marks=TF_DATA)])
 @pytest.mark.parametrize("flush_each_epoch", [True, False])
 def test_data_of_unknown_length_stays_exact(source, flush_each_epoch):
     # 40 samples, micro-batches of 8, windows of 2: 2 full windows and one
@@ -66,6 +77,7 @@ def test_data_of_unknown_length_stays_exact(source, flush_each_epoch):
         assert max_weight_difference(plain, model) <= 1e-6
 
 
+@TF_DATA
 @pytest.mark.parametrize("steps_per_execution", [1, 3])
 def test_empty_data_leaves_weights_bit_identical(steps_per_execution):
     skip_unless_executions_stop_cleanly(steps_per_execution)
@@ -82,7 +94,9 @@ def test_empty_data_leaves_weights_bit_identical(steps_per_execution):
             np.testing.assert_array_equal(a, b)
 
 
-def test_unknown_length_with_steps_per_execution():
+@pytest.mark.parametrize("source", [
+    "python_generator", pytest.param("unknown_cardinality", marks=TF_DATA)])
+def test_unknown_length_with_steps_per_execution(source):
     skip_unless_executions_stop_cleanly()
     x, y = regression_data(samples=56)  # 7 micro-batches of 8
     micro = [list(range(i, i + 8)) for i in range(0, 56, 8)]
@@ -92,7 +106,7 @@ def test_unknown_length_with_steps_per_execution():
         model = mlp(AccumulatingModel, n_gradients=2)
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
                       steps_per_execution=3)
-        data = _sources(x, y, 8)["unknown_cardinality"]()
+        data = _sources(x, y, 8)[source]()
         model.fit(data, epochs=1, verbose=0)
         assert iterations(model) == 4
         assert max_weight_difference(plain, model) <= 1e-6

@@ -3,7 +3,6 @@
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from accum_model import AccumulatingModel
 from helpers import classification_data
@@ -13,6 +12,11 @@ from helpers import max_weight_difference
 from helpers import mlp
 from helpers import regression_data
 from helpers import skip_unless_executions_stop_cleanly
+from backends import ON_TENSORFLOW
+from backends import tensorflow_only
+
+if ON_TENSORFLOW:
+    import tensorflow as tf
 
 TOLERANCE = 1e-5
 
@@ -180,6 +184,7 @@ def _two_inputs(model_class, n_gradients=None, seed=5):
     return model_class(inputs=[left, right], outputs=output, **kwargs)
 
 
+@tensorflow_only("tf.data")
 def test_two_inputs_from_tf_data():
     rng = np.random.default_rng(6)
     left = rng.normal(size=(88, 4)).astype("float32")
@@ -344,6 +349,14 @@ def test_weight_regularization_counts_once_per_window():
     assert max_weight_difference(plain, accumulating) <= TOLERANCE
 
 
+def _executing_eagerly(tensor):
+    if ON_TENSORFLOW:
+        return tf.executing_eagerly()
+    import jax
+
+    return not isinstance(tensor, jax.core.Tracer)
+
+
 def _branching_net(base, n_gradients=None):
     """A subclassed net with a layer that only training, or some samples, use.
 
@@ -363,8 +376,9 @@ def _branching_net(base, n_gradients=None):
             outputs = self.out(self.hidden(inputs))
             if not training:
                 return outputs
-            needs = tf.cast(inputs[:, :1] > 1.2, outputs.dtype)
-            if tf.executing_eagerly() and not bool(tf.reduce_any(needs > 0)):
+            needs = keras.ops.cast(inputs[:, :1] > 1.2, outputs.dtype)
+            if _executing_eagerly(needs) and not bool(
+                    keras.ops.any(needs > 0)):
                 return outputs
             return outputs + needs * self.extra(inputs)
 
@@ -373,6 +387,8 @@ def _branching_net(base, n_gradients=None):
     return Branching(**kwargs)
 
 
+@tensorflow_only("plain Keras on JAX builds the optimizer before a layer "
+                 "used only in training exists, and its fit() refuses")
 @pytest.mark.parametrize("before_fit", ["build", "predict", "evaluate"])
 def test_model_used_before_fit_trains_every_weight(before_fit):
     x, y = regression_data(samples=96)

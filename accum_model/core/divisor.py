@@ -10,6 +10,7 @@ the tensors it reads come through a `ShapeOps` of the backend in use.
 
 import collections
 
+from accum_model.core import class_tree
 from accum_model.core.messages import warn_once
 
 ShapeOps = collections.namedtuple("ShapeOps", [
@@ -172,3 +173,38 @@ def fallback_divisor(x, y_pred, get_mask, ops):
 
 def _warn_once(model_name, message):
     warn_once(model_name, f"{model_name}: {message}")
+
+
+def warn_if_activity_penalty_is_masked(model, y_pred, get_mask, ops):
+    """Warns (once) where one micro-batch weight cannot fit every loss term.
+
+    With a Keras mask on the output, a micro-batch is weighted by its valid
+    elements, right for the masked loss; an activity regularizer adds a
+    per-sample penalty, which the large batch weights by samples.
+
+    Args:
+        model: The accumulating model, in its training step.
+        y_pred: The predictions.
+        get_mask: Callable returning a tensor's Keras mask, or None.
+        ops: The backend's `ShapeOps`.
+    """
+    model_class = type(model)
+    base = class_tree.accumulating_base(model_class)
+    if model_class.micro_batch_weight is not base.micro_batch_weight:
+        return
+    masked = any(get_mask(output) is not None
+                 for output in ops.flatten(y_pred) if output is not None)
+    regularized = [
+        layer.name for layer in model._flatten_layers()
+        if getattr(layer, "activity_regularizer", None) is not None
+    ]
+    if masked and regularized:
+        warn_once(
+            model_class,
+            "The output carries a Keras mask, so each micro-batch is "
+            "weighted by its valid elements, but layers "
+            f"{regularized} add an activity penalty per sample: the window "
+            "then weights that penalty unlike the large batch does. Override "
+            "`micro_batch_weight` (e.g. to return the batch size), or drop "
+            "the activity regularizer, to make the trade-off explicit.",
+        )

@@ -13,7 +13,6 @@ import tensorflow as tf
 
 from accum_model.core import class_tree
 from accum_model.core import divisor
-from accum_model.core.messages import warn_once
 from accum_model.tensorflow.ops import TF_SHAPES
 
 KerasDetails = collections.namedtuple("KerasDetails", [
@@ -80,7 +79,8 @@ def train_step(model, data, details):
         and not accumulation.weight_from_batch_size
         and divisor.is_summed(reductions)
     )
-    _warn_if_activity_penalty_is_masked(model, y_pred, details)
+    divisor.warn_if_activity_penalty_is_masked(
+        model, y_pred, details.get_keras_mask, TF_SHAPES)
     # The loss in logs is the window's, logged once when it ends.
     accumulation.add_micro_step(gradients, weight, batch_size,
                                 divide_by_weight=not summed, loss=loss,
@@ -136,34 +136,3 @@ def check_strategy(strategy):
 def _has_default_micro_batch_weight(model_class):
     base = class_tree.accumulating_base(model_class)
     return model_class.micro_batch_weight is base.micro_batch_weight
-
-
-def _warn_if_activity_penalty_is_masked(model, y_pred, details):
-    """Warns (once) where one micro-batch weight cannot fit every loss term.
-
-    With a Keras mask on the output, a micro-batch is weighted by its valid
-    elements, right for the masked loss; an activity regularizer adds a
-    per-sample penalty, which the large batch weights by samples.
-    """
-    model_class = type(model)
-    if not _has_default_micro_batch_weight(model_class):
-        return
-    masked = any(
-        details.get_keras_mask(output) is not None
-        for output in tf.nest.flatten(y_pred)
-        if output is not None
-    )
-    regularized = [
-        layer.name for layer in model._flatten_layers()
-        if getattr(layer, "activity_regularizer", None) is not None
-    ]
-    if masked and regularized:
-        warn_once(
-            model_class,
-            "The output carries a Keras mask, so each micro-batch is "
-            "weighted by its valid elements, but layers "
-            f"{regularized} add an activity penalty per sample: the window "
-            "then weights that penalty unlike the large batch does. Override "
-            "`micro_batch_weight` (e.g. to return the batch size), or drop "
-            "the activity regularizer, to make the trade-off explicit.",
-        )

@@ -1,0 +1,721 @@
+"""Keras 3 on JAX: the window inside a pure training step.
+
+Keras's JAX trainer (`keras/src/backend/jax/trainer.py`) jit-compiles a pure
+`train_step(state, data)`, where `state` is the values of the trainable,
+non-trainable, optimizer and metrics variables, and writes the values back
+into the variables only at the end of an epoch (`jax_state_sync`). The
+window's state (`WindowState`: accumulators and counters) rides in that
+state behind the optimizer's variables: `ModelDifferences._get_jax_state`
+appends it and `jax_state_sync` takes it back, so it is never a variable of
+the model or of the optimizer (`get_weights()` and optimizer files stay what
+plain Keras writes). Each micro step adds its gradient, times what Keras
+divided its loss by, to the window; one `lax.cond` applies the window with
+the optimizer's own `stateless_apply` when it is full or the epoch ends.
+The numbers are `accum_model.core.arithmetic`'s and `divisor`'s.
+
+Keras's JAX loop learns that data ran out before it runs a step, so no step
+ever runs on an empty batch; the window still open at an epoch's end is
+applied eagerly by the window callback, after Keras has written the state
+back into the variables.
+
+Not yet on JAX (each refused by name before training): a
+`LossScaleOptimizer` (`mixed_float16`), `keras.distribution`,
+`measure_noise_scale`, float64 accumulators without `jax_enable_x64`, and
+`accumulate_gradients` (a stateless step of the user's own). A window open
+when a file is saved is not in the file (warned).
+
+Private Keras members used, checked on keras 3.15.1 with jax 0.10:
+`_get_jax_state`, `jax_state_sync`, `_jax_state`, `_jax_state_synced`,
+`stateless_call`, `stateless_compute_loss`, `_losses_override`,
+`_call_has_training_arg`, `_loss_tracker`.
+"""
+
+import contextlib
+import functools
+import typing
+import warnings
+import weakref
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+from keras import optimizers
+from keras.src.saving.keras_saveable import KerasSaveable
+
+from accum_model.core import arithmetic
+from accum_model.core import class_tree
+from accum_model.core import divisor
+from accum_model.core.messages import window_is_open
+from accum_model.keras3 import losses
+
+__all__ = ["Accumulation", "END_OF_DATA_ERRORS", "LossScaling",
+           "ModelDifferences", "STEPS_PER_EXECUTION_FIX", "WindowCheckpoint",
+           "accumulate_gradients", "accumulating_train_step",
+           "check_strategy", "default_micro_batch_weight",
+           "executions_stop_cleanly_at_end_of_data",
+           "foreign_variables_in_graph", "is_foreign_layer",
+           "logs_for_reduction", "pools_moving_statistics",
+           "recording_batch_statistics", "replicas_in_sync"]
+
+JAX_OPS = arithmetic.ArrayOps(
+    where=jnp.where, minimum=jnp.minimum, maximum=jnp.maximum,
+    zeros_like=jnp.zeros_like, ones_like=jnp.ones_like,
+    to_float32=lambda value: jnp.asarray(value, jnp.float32),
+)
+
+JAX_SHAPES = divisor.ShapeOps(
+    convert=jnp.asarray,
+    count=lambda value: jnp.asarray(jnp.size(value), jnp.float32),
+    count_true=lambda mask: jnp.sum(jnp.asarray(mask, jnp.float32)),
+    first_dimension=lambda value: jnp.shape(value)[0],
+    leading_elements=lambda value: jnp.asarray(
+        np.prod(jnp.shape(value)[:-1]), jnp.float32),
+    flatten=keras.tree.flatten,
+    to_float32=lambda value: jnp.asarray(value, jnp.float32),
+)
+
+# Keras's JAX loop stops before a step when the data runs out: no step
+# raises, and none runs on an empty batch.
+END_OF_DATA_ERRORS = ()
+
+STEPS_PER_EXECUTION_FIX = ""
+
+_NOT_YET = ("on the JAX backend yet; train on the TensorFlow backend "
+            "(KERAS_BACKEND=tensorflow) for it")
+
+
+class WindowState(typing.NamedTuple):
+    """The open window's values (a JAX pytree), one entry per counter."""
+
+    gradient_sums: list
+    weight_sum: jax.Array
+    loss_sum: jax.Array
+    sample_sum: jax.Array
+    micro_steps: jax.Array
+    # Micro steps left before the epoch ends; negative when unknown.
+    steps_left_in_epoch: jax.Array
+    length: jax.Array
+    next_length: jax.Array
+    skipped_windows: jax.Array
+
+
+def _empty_state(variables, dtype, length, steps_left_in_epoch=-1,
+                 skipped_windows=0):
+    def scalar(value, kind=jnp.float32):
+        return jnp.asarray(value, kind)
+
+    return WindowState(
+        gradient_sums=[jnp.zeros(v.shape, dtype) for v in variables],
+        weight_sum=scalar(0.0), loss_sum=scalar(0.0), sample_sum=scalar(0.0),
+        micro_steps=scalar(0, jnp.int32),
+        steps_left_in_epoch=scalar(steps_left_in_epoch, jnp.int32),
+        length=scalar(length, jnp.int32), next_length=scalar(length,
+                                                             jnp.int32),
+        skipped_windows=scalar(skipped_windows, jnp.int32),
+    )
+
+
+def _reset(state):
+    """The state of an empty window after `state`'s (it takes the next
+    window's length)."""
+    return state._replace(
+        gradient_sums=[jnp.zeros_like(s) for s in state.gradient_sums],
+        weight_sum=jnp.zeros_like(state.weight_sum),
+        loss_sum=jnp.zeros_like(state.loss_sum),
+        sample_sum=jnp.zeros_like(state.sample_sum),
+        micro_steps=jnp.zeros_like(state.micro_steps),
+        length=state.next_length,
+    )
+
+
+class Accumulation:
+    """The window state of one model on JAX, and its life cycle.
+
+    The same questions and operations as the TensorFlow window's
+    `Accumulation`, answered from a `WindowState` held here between
+    epochs and inside Keras's JAX state during them.
+
+    Args:
+        settings: The `Settings` to accumulate with.
+    """
+
+    def __init__(self, settings):
+        _check_settings(settings)
+        self.settings = settings
+        self.window = None
+        self.loss_scaling = None
+        self.update_signal = UpdateSignal()
+        self.checkpoint = None
+        self.epoch = 0
+        self.weight_from_batch_size = False
+        # False for losses reduced with "sum": the window is their sum
+        # (decided when the step is traced).
+        self.divide_by_weight = True
+        self._epoch_steps = -1
+        self._model = None
+        self._apply_open = None
+        self._warned = set()
+
+    def warn_once(self, message):
+        """Warns with `message` once for this model."""
+        if message not in self._warned:
+            self._warned.add(message)
+            warnings.warn(message, stacklevel=5)
+
+    @property
+    def accumulates(self):
+        return self.settings.accumulates
+
+    def window_length(self):
+        return self.settings.length_for_epoch(self.epoch)
+
+    def reconfigure(self, settings):
+        """Takes new settings at a window boundary; returns whether they
+        changed (see the TensorFlow window's)."""
+        if settings == self.settings:
+            return False
+        open_steps = self.open_micro_steps()
+        if open_steps:
+            raise ValueError(
+                "The accumulation settings can only change at a window "
+                f"boundary, and the model has {window_is_open(open_steps)}. "
+                f"Received: {settings!r}"
+            )
+        _check_settings(settings)
+        if settings.accumulator_dtype != self.settings.accumulator_dtype:
+            self.window = None
+        self.settings = settings
+        if self.window is not None:
+            self._set_length(self.window_length())
+        return True
+
+    # What users read -------------------------------------------------------
+
+    def window_left_open(self):
+        open_steps = self.open_micro_steps()
+        restored = self.checkpoint.restored_micro_steps
+        self.checkpoint.restored_micro_steps = 0
+        return 0 if open_steps == restored else open_steps
+
+    def open_micro_steps(self):
+        if self.window is None:
+            return 0
+        return int(self.window.state.micro_steps)
+
+    def skipped_windows(self):
+        if self.window is None:
+            return 0
+        return int(self.window.state.skipped_windows)
+
+    def noise_scale(self):
+        return None
+
+    def loss_totals(self):
+        if self.window is None:
+            return 0.0, 0.0, 0
+        state = self.window.state
+        return (float(state.loss_sum), float(state.weight_sum),
+                int(state.micro_steps))
+
+    def loss_since(self, start):
+        if self.window is None:
+            return None
+        loss_sum, weight_sum, micro_steps = (
+            now - before for now, before in zip(self.loss_totals(), start)
+        )
+        if micro_steps <= 0:
+            return None
+        return arithmetic.loss_of_part(loss_sum, weight_sum,
+                                       self.divide_by_weight)
+
+    def watch_updates(self, train_function, optimizer):
+        return self.update_signal.watching(train_function, optimizer)
+
+    def micro_batch_share(self):
+        # Only a LossScaleOptimizer uses the share, and JAX has none yet.
+        return 1.0
+
+    def accumulator_bytes(self):
+        if self.window is None:
+            return 0
+        return sum(int(s.size) * s.dtype.itemsize
+                   for s in self.window.state.gradient_sums)
+
+    # Set-up ----------------------------------------------------------------
+
+    def set_up(self, loss_scaling, run_eagerly, report_loss=None,
+               float16_gradients=None):
+        del run_eagerly, report_loss, float16_gradients
+        self.loss_scaling = loss_scaling
+        self._apply_open = None
+
+    def check_window_fits(self, trainable_variables):
+        window = self.window
+        if window is None or window.matches(trainable_variables):
+            return
+        open_steps = self.open_micro_steps()
+        if open_steps:
+            raise ValueError(
+                "The model's trainable weights changed while it had "
+                f"{window_is_open(open_steps)}, before changing which "
+                "weights are trainable. Received: "
+                f"{len(list(trainable_variables))} trainable variables, "
+                f"window built for {len(window.trainable_variables)}"
+            )
+
+    def build_window(self, model):
+        """Builds the window for `model`'s trainable variables (eagerly,
+        before the training step is traced)."""
+        self._model = weakref.ref(model)
+        variables = list(model.trainable_variables)
+        if not variables:
+            # What Keras's own TensorFlow step says; nothing is updated.
+            warnings.warn("The model does not have any trainable weights.")
+        if self.window is not None and self.window.matches(variables):
+            return
+        self.window = _Window(variables, _empty_state(
+            variables, self.settings.accumulator_dtype, self.window_length(),
+            self._epoch_steps))
+        self._apply_open = None
+
+    # Training --------------------------------------------------------------
+
+    def start_epoch(self, steps, epoch=None):
+        known = self.settings.flush_each_epoch and steps
+        self._epoch_steps = int(steps) if known else -1
+        if epoch is not None:
+            self.epoch = epoch
+        if self.window is not None:
+            self.window.state = self.window.state._replace(
+                steps_left_in_epoch=jnp.asarray(self._epoch_steps, jnp.int32))
+            self._set_length(self.window_length())
+
+    def _set_length(self, length):
+        state = self.window.state
+        # Separate arrays: Keras hands the state's buffers over to the next
+        # step, and one buffer cannot be handed over twice.
+        self.window.state = state._replace(
+            next_length=jnp.asarray(length, jnp.int32),
+            length=(jnp.asarray(length, jnp.int32)
+                    if int(state.micro_steps) == 0 else state.length),
+        )
+
+    def apply_open_window(self):
+        """Applies the open window to the model's variables (eagerly, with
+        the state written back into them)."""
+        if self.open_micro_steps() == 0:
+            return
+        model = self._model()
+        # The optimizer the window was set up with, as on TensorFlow (a
+        # recompiled model that refused to train applies its open window
+        # with it).
+        optimizer = self.loss_scaling.optimizer
+        key = (self.divide_by_weight, self.settings.may_overflow)
+        if self._apply_open is None or self._apply_open[0] != key:
+            self._apply_open = key, jax.jit(functools.partial(
+                _end_window, optimizer, *key))
+        state = self.window.state
+        window_loss = arithmetic.window_loss(
+            state.loss_sum, state.weight_sum, self.divide_by_weight, JAX_OPS)
+        samples = state.sample_sum
+        variables = self.window.trainable_variables
+        trainable, optimizer_values, self.window.state = self._apply_open[1](
+            ([v.value for v in variables],
+             [v.value for v in optimizer.variables], state))
+        for variable, value in zip(variables, trainable):
+            variable.assign(value)
+        for variable, value in zip(optimizer.variables, optimizer_values):
+            variable.assign(value)
+        model._loss_tracker.update_state(window_loss, sample_weight=samples)
+
+
+class _Window:
+    """The variables a window was built for, and its current state."""
+
+    def __init__(self, trainable_variables, state):
+        self.trainable_variables = trainable_variables
+        self.state = state
+
+    def matches(self, trainable_variables):
+        current = list(trainable_variables)
+        return len(current) == len(self.trainable_variables) and all(
+            a is b for a, b in zip(current, self.trainable_variables))
+
+
+def _check_settings(settings):
+    if settings.measure_noise_scale:
+        raise ValueError(f"`measure_noise_scale=True` is not supported "
+                         f"{_NOT_YET}. Received: measure_noise_scale=True")
+    if (settings.accumulator_dtype == "float64"
+            and not jax.config.jax_enable_x64):
+        raise ValueError(
+            "`accumulator_dtype='float64'` needs JAX's 64-bit mode: "
+            "jax.config.update('jax_enable_x64', True) before building the "
+            "model, or accumulator_dtype='float32'. Received: "
+            "accumulator_dtype='float64'")
+
+
+def _end_window(optimizer, divide_by_weight, may_overflow, operands):
+    """Applies the window in `operands` (trainable values, optimizer
+    values, `WindowState`) with the optimizer, or skips it when a narrow
+    accumulator overflowed; returns the three with the window emptied."""
+    trainable, optimizer_values, state = operands
+    total_weight = (state.weight_sum if divide_by_weight
+                    else jnp.ones_like(state.weight_sum))
+
+    def update(operands):
+        trainable, optimizer_values, state = operands
+        gradients = [
+            arithmetic.divide_no_nan(
+                jnp.asarray(total, jnp.float32), total_weight, JAX_OPS
+            ).astype(value.dtype)
+            for total, value in zip(state.gradient_sums, trainable)
+        ]
+        trainable, optimizer_values = optimizer.stateless_apply(
+            optimizer_values, gradients, trainable)
+        return list(trainable), list(optimizer_values), _reset(state)
+
+    def skip(operands):
+        trainable, optimizer_values, state = operands
+        state = _reset(state)
+        return trainable, optimizer_values, state._replace(
+            skipped_windows=state.skipped_windows + 1)
+
+    if not may_overflow:
+        return update(operands)
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(s))
+                                for s in state.gradient_sums] or
+                               [jnp.asarray(True)]))
+    return jax.lax.cond(finite, update, skip, operands)
+
+
+def accumulating_train_step(model, state, data):
+    """One micro step on JAX: pure, `(state, data) -> (logs, state)`."""
+    accumulation = model._accumulation
+    (trainable, non_trainable, optimizer_and_window,
+     metrics_values) = state
+    optimizer_values = list(optimizer_and_window[:-1])
+    window = optimizer_and_window[-1]
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    default_weight = _has_default_micro_batch_weight(type(model))
+
+    def scaled_loss_of(trainable):
+        kwargs = {"training": True} if model._call_has_training_arg else {}
+        y_pred, new_non_trainable, layer_losses = model.stateless_call(
+            trainable, non_trainable, x, return_losses=True, **kwargs)
+        if layer_losses:
+            model._losses_override.clear()
+            model._losses_override = layer_losses
+        # This micro-batch's own mean loss; the window divides by its
+        # whole weight.
+        with losses.losses_not_divided_by_replicas(), \
+                losses.recording_loss_reductions(JAX_SHAPES) as reductions:
+            loss, (_, _, new_metrics) = model.stateless_compute_loss(
+                trainable, new_non_trainable, metrics_values, x=x, y=y,
+                y_pred=y_pred, sample_weight=sample_weight, training=True)
+        model._traced_loss_reductions = reductions
+        divisor.warn_if_activity_penalty_is_masked(
+            model, y_pred, losses.get_keras_mask, JAX_SHAPES)
+        # Read while `model.losses` still holds this pass's added losses.
+        weight = jnp.asarray(
+            model.micro_batch_weight(x, y, y_pred, sample_weight),
+            jnp.float32)
+        if layer_losses:
+            model._losses_override.clear()
+        # Losses reduced with "sum" divide by nothing: nor does the window.
+        accumulation.divide_by_weight = not (
+            default_weight and not accumulation.weight_from_batch_size
+            and divisor.is_summed(reductions))
+        return model.get_scaled_loss(loss), (
+            loss, y_pred, new_non_trainable, new_metrics, weight)
+
+    (_, aux), gradients = jax.value_and_grad(scaled_loss_of, has_aux=True)(
+        trainable)
+    loss, y_pred, non_trainable, metrics_values, weight = aux
+    gradients = model.get_unscaled_gradients(gradients)
+
+    samples = jnp.asarray(divisor.batch_size(x, JAX_SHAPES), jnp.float32)
+    wide = jnp.float64 if window.gradient_sums and (
+        window.gradient_sums[0].dtype == jnp.float64) else jnp.float32
+    window = window._replace(
+        gradient_sums=[
+            total + (jnp.asarray(g, wide) * weight).astype(total.dtype)
+            for total, g in zip(window.gradient_sums, gradients)],
+        weight_sum=window.weight_sum + weight,
+        loss_sum=window.loss_sum + arithmetic.weighted_loss(
+            jnp.asarray(loss, jnp.float32), weight, JAX_OPS),
+        sample_sum=window.sample_sum + samples,
+        micro_steps=window.micro_steps + 1,
+        steps_left_in_epoch=window.steps_left_in_epoch - 1,
+    )
+    ends = jnp.logical_or(window.micro_steps >= window.length,
+                          window.steps_left_in_epoch == 0)
+    window_loss = arithmetic.window_loss(
+        window.loss_sum, window.weight_sum, accumulation.divide_by_weight,
+        JAX_OPS)
+    window_samples = window.sample_sum
+    trainable, optimizer_values, window = jax.lax.cond(
+        ends,
+        functools.partial(_end_window, accumulation.loss_scaling.optimizer,
+                          accumulation.divide_by_weight,
+                          accumulation.settings.may_overflow),
+        lambda operands: operands,
+        (list(trainable), optimizer_values, window),
+    )
+
+    # The loss in the logs is each window's, logged when it ends, weighted
+    # by its samples as Keras weighs a batch's.
+    with keras.StatelessScope(state_mapping=list(
+            zip(model.metrics_variables, metrics_values))) as scope:
+        model._loss_tracker.update_state(
+            window_loss, sample_weight=jnp.where(ends, window_samples, 0.0))
+        logs = model.compute_metrics(x, y, y_pred, sample_weight)
+    metrics_values = [
+        _current(scope, variable) for variable in model.metrics_variables]
+    if accumulation.settings.may_overflow:
+        logs = {**logs, "skipped_windows": window.skipped_windows}
+    return logs, (trainable, non_trainable,
+                  optimizer_values + [window], metrics_values)
+
+
+def _current(scope, variable):
+    value = scope.get_current_value(variable)
+    return variable.value if value is None else value
+
+
+class ModelDifferences:
+    """What the Keras 3 `AccumulatingModel` does on JAX: its window rides
+    in Keras's JAX state."""
+
+    def make_train_function(self, force=False):
+        accumulation = self._accumulation
+        if accumulation.accumulates and (force or self.train_function is None):
+            # The model and its optimizer are built by now (Keras builds
+            # them symbolically before it makes the train function).
+            accumulation.build_window(self)
+        return super().make_train_function(force)
+
+    def _get_jax_state(self, trainable_variables=False,
+                       non_trainable_variables=False,
+                       optimizer_variables=False, metrics_variables=False,
+                       purge_model_variables=False):
+        state = super()._get_jax_state(
+            trainable_variables=trainable_variables,
+            non_trainable_variables=non_trainable_variables,
+            optimizer_variables=optimizer_variables,
+            metrics_variables=metrics_variables,
+            purge_model_variables=purge_model_variables,
+        )
+        window = self._accumulation.window
+        if (optimizer_variables and self._accumulation.accumulates
+                and window is not None):
+            index = int(trainable_variables) + int(non_trainable_variables)
+            state = list(state)
+            state[index] = list(state[index]) + [window.state]
+            state = tuple(state)
+        return state
+
+    def jax_state_sync(self):
+        jax_state = getattr(self, "_jax_state", None)
+        window = self._accumulation.window
+        if jax_state and not self._jax_state_synced and window is not None:
+            values = jax_state.get("optimizer_variables") or []
+            if len(values) == len(self.optimizer.variables) + 1:
+                # Keras's attribute tracking wraps the lists it is handed
+                # (`_jax_state`): JAX takes plain ones.
+                state = values[-1]
+                window.state = state._replace(
+                    gradient_sums=list(state.gradient_sums))
+        super().jax_state_sync()
+
+
+class UpdateSignal:
+    """Whether the last run of the train function applied an update.
+
+    Copies the optimizer's `iterations` from the state before and after each
+    run (the state's own arrays are handed over to the next run). Once
+    Keras has written the state back into the variables (a callback's
+    `self.model` does; so does an epoch's end, where the open window may
+    be applied), the variable itself is the count after.
+    """
+
+    def __init__(self):
+        self._before = self._after = None
+        self._iterations = None
+
+    def watching(self, train_function, optimizer):
+        self._iterations = optimizer.iterations
+        index = next(i for i, v in enumerate(optimizer.variables)
+                     if v is optimizer.iterations)
+
+        def train_function_noting_updates(state, *args):
+            optimizer_position = len(state) - 2
+            self._before = jnp.array(state[optimizer_position][index])
+            logs, state = train_function(state, *args)
+            self._after = jnp.array(state[optimizer_position][index])
+            return logs, state
+
+        return train_function_noting_updates
+
+    def applied(self):
+        if self._before is None:
+            return False
+        # Keras empties a variable (private `_value`) while the state it
+        # trains on lives elsewhere.
+        written_back = getattr(self._iterations, "_value", None) is not None
+        after = self._iterations.value if written_back else self._after
+        return int(after) > int(self._before)
+
+
+class LossScaling:
+    """The compiled optimizer's duties on JAX: a static
+    `loss_scale_factor` only (Keras's optimizer divides it out when it
+    applies the window).
+
+    Raises:
+        ValueError: The optimizer is a `LossScaleOptimizer`.
+    """
+
+    active = False
+    counts_skipped_steps = False
+
+    def __init__(self, optimizer):
+        if isinstance(optimizer, optimizers.LossScaleOptimizer):
+            raise ValueError(
+                "AccumulatingModel does not take a `LossScaleOptimizer` "
+                f"{_NOT_YET} (the 'mixed_float16' policy wraps one in "
+                "compile()); 'mixed_bfloat16' needs no loss scaling. "
+                f"Received: optimizer={type(optimizer).__name__}")
+        self.optimizer = optimizer
+
+    def scale_loss(self, loss, share=1.0):
+        del share
+        factor = getattr(self.optimizer, "loss_scale_factor", None)
+        return loss if factor is None else loss * factor
+
+    def unscale_gradients(self, gradients, variables=None, share=1.0):
+        del variables, share
+        return gradients
+
+
+class WindowCheckpoint(KerasSaveable):
+    """The open window in Keras files: not carried on JAX yet.
+
+    Saving while a window is open warns that the file leaves its
+    micro-batches out; a file holding an open window (saved on
+    TensorFlow) warns that it is not restored.
+
+    Args:
+        accumulation: The `Accumulation` whose window would be saved.
+    """
+
+    def __init__(self, accumulation):
+        self._accumulation = weakref.ref(accumulation)
+        self.restored_micro_steps = 0
+
+    def _obj_type(self):
+        return "Layer"
+
+    def pending_count(self, name):
+        del name
+        return 0
+
+    def save_own_variables(self, store):
+        del store
+        accumulation = self._accumulation()
+        open_steps = accumulation.open_micro_steps() if accumulation else 0
+        if open_steps:
+            warnings.warn(
+                f"The model has {window_is_open(open_steps)}, or save on "
+                f"the TensorFlow backend: the open window is not saved "
+                f"{_NOT_YET}, and a model loaded from this file starts a "
+                "new window.", stacklevel=2)
+
+    def load_own_variables(self, store):
+        if "counters" in store.keys():
+            counters = np.asarray(store["counters"])
+            if counters.size > 2 and counters[2]:
+                warnings.warn(
+                    f"The file holds a window open over {int(counters[2])} "
+                    f"micro-batches, which is not restored {_NOT_YET}: "
+                    "training starts a new window.", stacklevel=2)
+
+
+def check_strategy(model):
+    """Refuses `keras.distribution` (one device on JAX for now)."""
+    del model
+    distribution = keras.distribution.distribution()
+    if distribution is not None:
+        raise ValueError(
+            "AccumulatingModel trains on one device on JAX for now, and "
+            f"{type(distribution).__name__} is set "
+            f"(keras.distribution.set_distribution); several devices "
+            f"train {_NOT_YET}, or call "
+            "keras.distribution.set_distribution(None). Received: "
+            f"distribution={type(distribution).__name__}")
+
+
+def replicas_in_sync(model):
+    del model
+    return 1
+
+
+def default_micro_batch_weight(model, x, y_pred):
+    """What Keras divided this micro step's loss by (inside the step)."""
+    if model._accumulation.weight_from_batch_size:
+        return jnp.asarray(divisor.batch_size(x, JAX_SHAPES), jnp.float32)
+    weight = divisor.micro_batch_weight(
+        getattr(model, "_traced_loss_reductions", []),
+        lambda: divisor.fallback_divisor(x, y_pred, losses.get_keras_mask,
+                                         JAX_SHAPES),
+        type(model).__name__, has_other_losses=bool(model.losses),
+    )
+    return jnp.asarray(1.0) if weight is divisor.SUM else weight
+
+
+def accumulate_gradients(model, gradients, weight, batch_size=None):
+    del model, gradients, weight, batch_size
+    raise NotImplementedError(
+        "`accumulate_gradients` hands gradients to a stateful window, and a "
+        f"training step of your own is stateless {_NOT_YET}.")
+
+
+def executions_stop_cleanly_at_end_of_data():
+    """Keras's JAX loop runs an execution's steps one by one and stops
+    between two when the data runs out."""
+    return True
+
+
+def foreign_variables_in_graph(model):
+    del model
+    return []
+
+
+def is_foreign_layer(value):
+    """No Keras 2 layer can sit in a model on JAX (Keras 2 is TensorFlow's)."""
+    del value
+    return False
+
+
+def logs_for_reduction(logs, strategy):
+    del strategy
+    return logs
+
+
+def pools_moving_statistics(layer):
+    """On JAX, BatchNormalization layers move their moving statistics on
+    each micro-batch (`fit()` warns)."""
+    del layer
+    return False
+
+
+@contextlib.contextmanager
+def recording_batch_statistics(layers):
+    del layers
+    yield []
+
+
+def _has_default_micro_batch_weight(model_class):
+    base = class_tree.accumulating_base(model_class)
+    return model_class.micro_batch_weight is base.micro_batch_weight

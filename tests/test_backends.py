@@ -1,0 +1,100 @@
+"""What differs by Keras backend: JAX's refusals, by name, before training.
+
+The promise's tests themselves (exactness, losses, epochs, end of data,
+window controls, contract, serialization) run on every backend: CI runs
+them again under `KERAS_BACKEND=jax` in an environment without TensorFlow.
+Here: what JAX does not carry yet is refused with the argument to change,
+and nothing of TensorFlow is imported on JAX.
+"""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+from accum_model import AccumulatingModel
+from backends import BACKEND
+from helpers import iterations
+from helpers import mlp
+from helpers import regression_data
+
+jax_only = pytest.mark.skipif(BACKEND != "jax", reason="JAX backend only")
+
+
+@jax_only
+def test_importing_on_jax_imports_no_tensorflow():
+    code = ("import sys, accum_model, keras\n"
+            "assert keras.backend.backend() == 'jax'\n"
+            "print(sorted(m for m in sys.modules if m.startswith("
+            "('tensorflow', 'tf_keras'))))")
+    result = subprocess.run([sys.executable, "-c", code],
+                            env={**os.environ, "KERAS_BACKEND": "jax"},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
+
+
+@jax_only
+def test_loss_scale_optimizer_is_refused_by_name():
+    x, y = regression_data(samples=16)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = mlp(AccumulatingModel, n_gradients=2)
+        model.compile(optimizer="sgd", loss="mse")
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    with pytest.raises(ValueError, match="LossScaleOptimizer.*mixed_bfloat16"):
+        model.fit(x, y, batch_size=8, verbose=0)
+    assert iterations(model) == 0
+
+
+@jax_only
+def test_a_distribution_is_refused_by_name():
+    x, y = regression_data(samples=16)
+    model = mlp(AccumulatingModel, n_gradients=2)
+    model.compile(optimizer="sgd", loss="mse")
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    try:
+        with pytest.raises(ValueError, match="set_distribution"):
+            model.fit(x, y, batch_size=8, verbose=0)
+    finally:
+        keras.distribution.set_distribution(None)
+    assert iterations(model) == 0
+
+
+@jax_only
+@pytest.mark.parametrize("settings, name", [
+    ({"measure_noise_scale": True}, "measure_noise_scale"),
+    ({"accumulator_dtype": "float64"}, "jax_enable_x64"),
+])
+def test_settings_jax_cannot_carry_are_refused_at_construction(settings,
+                                                               name):
+    with pytest.raises(ValueError, match=name):
+        mlp(AccumulatingModel, n_gradients=2, **settings)
+
+
+@jax_only
+def test_accumulate_gradients_is_refused_by_name():
+    model = mlp(AccumulatingModel, n_gradients=2)
+    with pytest.raises(NotImplementedError, match="KERAS_BACKEND=tensorflow"):
+        model.accumulate_gradients([], 1.0)
+
+
+@jax_only
+def test_saving_an_open_window_warns_that_the_file_leaves_it_out(tmp_path):
+    x, y = regression_data(samples=16)
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer="sgd", loss="mse")
+    model.train_on_batch(x[:8], y[:8])
+    with pytest.warns(UserWarning, match="open window is not saved"):
+        model.save_weights(tmp_path / "open.weights.h5")
+    model.apply_open_window()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model.save_weights(tmp_path / "closed.weights.h5")
+    assert iterations(model) == 1
+    assert np.all(np.isfinite(model.get_weights()[0]))
