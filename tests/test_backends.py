@@ -4,16 +4,15 @@ The promise's tests themselves (exactness, losses, epochs, end of data,
 window controls, contract, serialization) run on every backend: CI runs
 them again under `KERAS_BACKEND=jax` in an environment without TensorFlow.
 Here: what JAX does not carry yet is refused with the argument to change,
-and nothing of TensorFlow is imported on JAX.
+and nothing of TensorFlow is imported on JAX. (The open window in saved
+files is tested by `test_resume.py`, on both backends.)
 """
 
 import os
 import subprocess
 import sys
-import warnings
 
 import keras
-import numpy as np
 import pytest
 
 from accum_model import AccumulatingModel
@@ -82,19 +81,3 @@ def test_accumulate_gradients_is_refused_by_name():
     model = mlp(AccumulatingModel, n_gradients=2)
     with pytest.raises(NotImplementedError, match="KERAS_BACKEND=tensorflow"):
         model.accumulate_gradients([], 1.0)
-
-
-@jax_only
-def test_saving_an_open_window_warns_that_the_file_leaves_it_out(tmp_path):
-    x, y = regression_data(samples=16)
-    model = mlp(AccumulatingModel, n_gradients=4)
-    model.compile(optimizer="sgd", loss="mse")
-    model.train_on_batch(x[:8], y[:8])
-    with pytest.warns(UserWarning, match="open window is not saved"):
-        model.save_weights(tmp_path / "open.weights.h5")
-    model.apply_open_window()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)
-        model.save_weights(tmp_path / "closed.weights.h5")
-    assert iterations(model) == 1
-    assert np.all(np.isfinite(model.get_weights()[0]))

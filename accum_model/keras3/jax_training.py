@@ -21,8 +21,8 @@ back into the variables.
 Not yet on JAX (each refused by name before training): a
 `LossScaleOptimizer` (`mixed_float16`), `keras.distribution`,
 `measure_noise_scale`, float64 accumulators without `jax_enable_x64`, and
-`accumulate_gradients` (a stateless step of the user's own). A window open
-when a file is saved is not in the file (warned).
+`accumulate_gradients` (a stateless step of the user's own). The open
+window is saved in Keras files, laid out as on TensorFlow.
 
 Private Keras members used, checked on keras 3.15.1 with jax 0.10:
 `_get_jax_state`, `jax_state_sync`, `_jax_state`, `_jax_state_synced`,
@@ -44,6 +44,7 @@ from keras import optimizers
 from keras.src.saving.keras_saveable import KerasSaveable
 
 from accum_model.core import arithmetic
+from accum_model.core import checkpoint_layout as layout
 from accum_model.core import class_tree
 from accum_model.core import divisor
 from accum_model.core.messages import window_is_open
@@ -200,12 +201,12 @@ class Accumulation:
 
     def open_micro_steps(self):
         if self.window is None:
-            return 0
+            return self.checkpoint.pending_count("micro_steps")
         return int(self.window.state.micro_steps)
 
     def skipped_windows(self):
         if self.window is None:
-            return 0
+            return self.checkpoint.pending_count("skipped_windows")
         return int(self.window.state.skipped_windows)
 
     def noise_scale(self):
@@ -278,6 +279,24 @@ class Accumulation:
             variables, self.settings.accumulator_dtype, self.window_length(),
             self._epoch_steps))
         self._apply_open = None
+        self.checkpoint.window_built()
+
+    def write_window(self, arrays):
+        """Writes a saved window (`checkpoint_layout.read` arrays) into the
+        window (eagerly). The open window keeps the length it was started
+        with; the windows after it take this model's own length."""
+        state = self.window.state
+        gradients, _, counters = layout.window_to_write(
+            arrays, [int(s.size) for s in state.gradient_sums],
+            float(state.skipped_windows))
+        self.window.state = state._replace(
+            gradient_sums=[
+                jnp.asarray(value.reshape(total.shape), total.dtype)
+                for value, total in zip(gradients, state.gradient_sums)],
+            **{name: jnp.asarray(counters[name], getattr(state, name).dtype)
+               for name in layout.COUNTERS},
+        )
+        self._set_length(self.window_length())
 
     # Training --------------------------------------------------------------
 
@@ -600,46 +619,64 @@ class LossScaling:
 
 
 class WindowCheckpoint(KerasSaveable):
-    """The open window in Keras files: not carried on JAX yet.
-
-    Saving while a window is open warns that the file leaves its
-    micro-batches out; a file holding an open window (saved on
-    TensorFlow) warns that it is not restored.
+    """The open window in Keras files (`save_weights`, `.keras`,
+    `ModelCheckpoint`, `BackupAndRestore`), laid out as on TensorFlow
+    (`core.checkpoint_layout`): a file saved on either backend restores on
+    the other. Keras's saver visits this attribute of the model as it does
+    on TensorFlow (see `tensorflow_saving`).
 
     Args:
-        accumulation: The `Accumulation` whose window would be saved.
+        accumulation: The `Accumulation` whose window is saved.
     """
 
     def __init__(self, accumulation):
         self._accumulation = weakref.ref(accumulation)
+        # A restored window waiting for the model to build its own.
+        self._pending = None
         self.restored_micro_steps = 0
 
     def _obj_type(self):
         return "Layer"
 
-    def pending_count(self, name):
-        del name
-        return 0
-
     def save_own_variables(self, store):
-        del store
         accumulation = self._accumulation()
-        open_steps = accumulation.open_micro_steps() if accumulation else 0
-        if open_steps:
-            warnings.warn(
-                f"The model has {window_is_open(open_steps)}, or save on "
-                f"the TensorFlow backend: the open window is not saved "
-                f"{_NOT_YET}, and a model loaded from this file starts a "
-                "new window.", stacklevel=2)
+        window = accumulation.window
+        if window is None and self._pending is None:
+            return
+        if window is None:
+            arrays = self._pending
+        else:
+            state = window.state
+            arrays = layout.saved_state(
+                [np.asarray(s) for s in state.gradient_sums],
+                [True] * len(state.gradient_sums),
+                {name: float(getattr(state, name))
+                 for name in layout.COUNTERS},
+            )
+        for key, value in arrays.items():
+            store[key] = value
 
     def load_own_variables(self, store):
-        if "counters" in store.keys():
-            counters = np.asarray(store["counters"])
-            if counters.size > 2 and counters[2]:
-                warnings.warn(
-                    f"The file holds a window open over {int(counters[2])} "
-                    f"micro-batches, which is not restored {_NOT_YET}: "
-                    "training starts a new window.", stacklevel=2)
+        arrays = layout.read({key: store[key] for key in store.keys()})
+        self.restored_micro_steps = int(layout.counter(arrays,
+                                                       "micro_steps"))
+        accumulation = self._accumulation()
+        if accumulation.window is None:
+            self._pending = arrays
+        else:
+            self._pending = None
+            accumulation.write_window(arrays)
+
+    def window_built(self):
+        """Writes a restored window into the window just built."""
+        if self._pending is not None:
+            arrays, self._pending = self._pending, None
+            self._accumulation().write_window(arrays)
+
+    def pending_count(self, name):
+        if self._pending is None:
+            return 0
+        return int(layout.counter(self._pending, name))
 
 
 def check_strategy(model):

@@ -21,17 +21,9 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from accum_model.core import checkpoint_layout as layout
 from accum_model.tensorflow import replicas
 from accum_model.tensorflow.tf_checkpoint import SavedInTfCheckpoints
-
-# Counters saved with the window, in the order of the "counters" array. The
-# windows after the open one take the loading model's length, so only the
-# open window's own length is saved.
-_COUNTERS = ("weight_sum", "sample_sum", "micro_steps", "skipped_windows",
-             "length", "loss_sum")
-# Counters summed over replicas (the others are equal on every replica).
-_SUMMED = ("weight_sum", "sample_sum", "loss_sum")
-
 
 class WindowCheckpoint(SavedInTfCheckpoints):
     """Saves and restores the window of an `Accumulation`.
@@ -58,7 +50,7 @@ class WindowCheckpoint(SavedInTfCheckpoints):
         """The window as arrays: the same keys whether or not it exists."""
         window = self._window()
         if window is None:
-            return self._pending or _empty_state()
+            return self._pending or layout.empty_state()
         # Read in cross-replica context: synchronised-on-read sums come back
         # summed over replicas (and workers), counters as the first replica's.
         # Narrow accumulators are saved as float32 (what every file format
@@ -68,46 +60,19 @@ class WindowCheckpoint(SavedInTfCheckpoints):
                               for s in window.gradient_sums)
             else tf.float32
         )
-        sums = [tf.reshape(tf.cast(s.read_value(), saved_dtype), [-1])
-                for s in window.gradient_sums]
-        return {
-            "gradients": (
-                tf.concat(sums, 0).numpy() if sums
-                else np.zeros([0], np.float32)
-            ),
-            "sizes": np.array(
-                [int(s.shape.num_elements()) for s in window.gradient_sums],
-                np.int64,
-            ),
-            "has_gradient": np.array(window.has_gradient, np.int8),
-            "counters": np.array(
-                [getattr(window, name).read_value().numpy()
-                 for name in _COUNTERS],
-                np.float64,
-            ),
-            # The pooled batch statistics of normalization layers.
-            "statistics": (
-                tf.concat([tf.reshape(s.read_value(), [-1])
-                           for s in window.statistics.sums], 0).numpy()
-                if window.statistics.sums else np.zeros([0], np.float32)
-            ),
-        }
+        return layout.saved_state(
+            [tf.cast(s.read_value(), saved_dtype).numpy()
+             for s in window.gradient_sums],
+            window.has_gradient,
+            {name: getattr(window, name).read_value().numpy()
+             for name in layout.COUNTERS},
+            [s.read_value().numpy() for s in window.statistics.sums],
+        )
 
     def restore_state(self, arrays):
         """Restores the window saved as `arrays` (empty: no window open)."""
-        if "sizes" not in arrays:
-            # A file saved without a window (by a model that never trained,
-            # or by a plain `keras.Model`): restore an empty window.
-            arrays = _empty_state()
-        arrays = {key: np.asarray(value) for key, value in arrays.items()}
-        # A window saved before the loss sum was kept: it logs no loss so far.
-        counters = arrays["counters"]
-        arrays["counters"] = np.concatenate(
-            [counters, np.zeros([len(_COUNTERS) - len(counters)])]
-        )
-        self.restored_micro_steps = int(
-            arrays["counters"][_COUNTERS.index("micro_steps")]
-        )
+        arrays = layout.read(arrays)
+        self.restored_micro_steps = int(layout.counter(arrays, "micro_steps"))
         window = self._window()
         if window is None:
             self._pending = arrays
@@ -129,17 +94,7 @@ class WindowCheckpoint(SavedInTfCheckpoints):
         """
         if self._pending is None:
             return 0
-        return int(self._pending["counters"][_COUNTERS.index(name)])
-
-
-def _empty_state():
-    return {
-        "gradients": np.zeros([0], np.float32),
-        "sizes": np.zeros([0], np.int64),
-        "has_gradient": np.zeros([0], np.int8),
-        "counters": np.zeros([len(_COUNTERS)], np.float64),
-        "statistics": np.zeros([0], np.float32),
-    }
+        return int(layout.counter(self._pending, name))
 
 
 def _write(window, arrays, accumulation):
@@ -151,39 +106,17 @@ def _write(window, arrays, accumulation):
     """
     strategy = window.strategy
     sizes = [int(s.shape.num_elements()) for s in window.gradient_sums]
-    saved_sizes = [int(n) for n in arrays["sizes"]]
-    counters = dict(zip(_COUNTERS, arrays["counters"].tolist()))
-    if not saved_sizes:
-        # No window was saved: nothing is open (its length is set below);
-        # the window keeps its count of skipped windows.
-        counters["skipped_windows"] = float(
-            window.skipped_windows.read_value().numpy()
-        )
-        saved_sizes = sizes
-        gradients = np.zeros([sum(sizes)], np.float32)
-        has_gradient = [False] * len(sizes)
-    else:
-        gradients = arrays["gradients"]
-        has_gradient = [bool(h) for h in arrays["has_gradient"]]
-    if saved_sizes != sizes:
-        raise ValueError(
-            "The checkpoint holds a gradient window for trainable weights of "
-            f"sizes {saved_sizes}, but the model's trainable weights have "
-            f"sizes {sizes}. Load it into a model with the same trainable "
-            "weights, or call `model.apply_open_window()` before saving."
-        )
+    gradients, has_gradient, counters = layout.window_to_write(
+        arrays, sizes, float(window.skipped_windows.read_value().numpy()))
     statistics = _statistics_to_write(window, arrays, counters)
     num_replicas = strategy.num_replicas_in_sync
-    offsets = np.cumsum([0] + sizes)
     with strategy.scope():
-        for i, gradient_sum in enumerate(window.gradient_sums):
-            value = gradients[offsets[i]:offsets[i + 1]].reshape(
-                gradient_sum.shape
-            )
-            replicas.assign_on_every_replica(gradient_sum,
-                                             value / num_replicas)
-        for name in _COUNTERS:
-            share = (counters[name] / num_replicas if name in _SUMMED
+        for gradient_sum, value in zip(window.gradient_sums, gradients):
+            replicas.assign_on_every_replica(
+                gradient_sum,
+                value.reshape(gradient_sum.shape) / num_replicas)
+        for name in layout.COUNTERS:
+            share = (counters[name] / num_replicas if name in layout.SUMMED
                      else counters[name])
             replicas.assign_on_every_replica(getattr(window, name), share)
         for sums, value in zip(window.statistics.sums, statistics):

@@ -1,0 +1,114 @@
+"""How an open window is laid out in a file, the same on every backend.
+
+A window is saved as the whole window (its sums over replicas, its
+counters as they are) in five arrays: "gradients" (every accumulator,
+flattened and concatenated), "sizes" (each accumulator's number of
+elements), "has_gradient", "counters" (`COUNTERS`, in that order) and
+"statistics" (BatchNormalization's pooled sums). A file saved while no
+window existed holds the same keys, empty; a file without them (a plain
+`keras.Model`'s) is read as an empty window. So a file saved on one backend
+restores on another.
+"""
+
+import numpy as np
+
+# Counters saved with the window, in the order of the "counters" array. The
+# windows after the open one take the loading model's length, so only the
+# open window's own length is saved.
+COUNTERS = ("weight_sum", "sample_sum", "micro_steps", "skipped_windows",
+            "length", "loss_sum")
+# Counters summed over replicas (the others are equal on every replica).
+SUMMED = ("weight_sum", "sample_sum", "loss_sum")
+
+
+def empty_state():
+    """The arrays of a file saved while no window existed."""
+    return {
+        "gradients": np.zeros([0], np.float32),
+        "sizes": np.zeros([0], np.int64),
+        "has_gradient": np.zeros([0], np.int8),
+        "counters": np.zeros([len(COUNTERS)], np.float64),
+        "statistics": np.zeros([0], np.float32),
+    }
+
+
+def saved_state(gradient_sums, has_gradient, counters, statistics=()):
+    """The arrays to save for a window (NumPy arrays in, NumPy out).
+
+    Args:
+        gradient_sums: List of arrays, each accumulator summed over
+            replicas (float32, or float64 where the accumulators are).
+        has_gradient: List of bools, one per accumulator.
+        counters: Dict of floats by the names of `COUNTERS`.
+        statistics: List of arrays, the pooled batch statistics.
+    """
+    flat = [np.reshape(s, [-1]) for s in gradient_sums]
+    statistics = [np.reshape(s, [-1]) for s in statistics]
+    return {
+        "gradients": (np.concatenate(flat) if flat
+                      else np.zeros([0], np.float32)),
+        "sizes": np.array([s.size for s in flat], np.int64),
+        "has_gradient": np.array(has_gradient, np.int8),
+        "counters": np.array([counters[name] for name in COUNTERS],
+                             np.float64),
+        "statistics": (np.concatenate(statistics) if statistics
+                       else np.zeros([0], np.float32)),
+    }
+
+
+def read(arrays):
+    """The saved arrays as NumPy arrays, every key present.
+
+    A file saved without a window (by a model that never trained, or a
+    plain `keras.Model`) reads as an empty window; one saved before the
+    loss sum was kept logs no loss for its micro-batches so far.
+    """
+    if "sizes" not in arrays:
+        arrays = empty_state()
+    arrays = {key: np.asarray(value) for key, value in arrays.items()}
+    counters = arrays["counters"]
+    arrays["counters"] = np.concatenate(
+        [counters, np.zeros([len(COUNTERS) - len(counters)])])
+    return arrays
+
+
+def counter(arrays, name):
+    """One counter of `read` arrays, as a float."""
+    return float(arrays["counters"][COUNTERS.index(name)])
+
+
+def window_to_write(arrays, sizes, skipped_windows):
+    """What to write into a window of accumulators of `sizes` elements.
+
+    Args:
+        arrays: `read` arrays.
+        sizes: List of ints, the loading window's accumulator sizes.
+        skipped_windows: Float, the loading window's count, kept when the
+            file holds no window.
+
+    Returns:
+        (gradient sums as a list of flat arrays, has_gradient as a list of
+        bools, counters as a dict by name).
+
+    Raises:
+        ValueError: The file's window was built for other weights.
+    """
+    saved_sizes = [int(n) for n in arrays["sizes"]]
+    counters = dict(zip(COUNTERS, arrays["counters"].tolist()))
+    if not saved_sizes:
+        # No window was saved: nothing is open; the window keeps its count
+        # of skipped windows.
+        counters["skipped_windows"] = skipped_windows
+        return ([np.zeros([n], np.float32) for n in sizes],
+                [False] * len(sizes), counters)
+    if saved_sizes != sizes:
+        raise ValueError(
+            "The checkpoint holds a gradient window for trainable weights of "
+            f"sizes {saved_sizes}, but the model's trainable weights have "
+            f"sizes {sizes}. Load it into a model with the same trainable "
+            "weights, or call `model.apply_open_window()` before saving."
+        )
+    offsets = np.cumsum([0] + sizes)
+    gradients = [arrays["gradients"][offsets[i]:offsets[i + 1]]
+                 for i in range(len(sizes))]
+    return gradients, [bool(h) for h in arrays["has_gradient"]], counters
