@@ -38,20 +38,6 @@ def test_importing_on_jax_imports_no_tensorflow():
 
 
 @jax_only
-def test_loss_scale_optimizer_is_refused_by_name():
-    x, y = regression_data(samples=16)
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        model = mlp(AccumulatingModel, n_gradients=2)
-        model.compile(optimizer="sgd", loss="mse")
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
-    with pytest.raises(ValueError, match="LossScaleOptimizer.*mixed_bfloat16"):
-        model.fit(x, y, batch_size=8, verbose=0)
-    assert iterations(model) == 0
-
-
-@jax_only
 def test_a_distribution_is_refused_by_name():
     x, y = regression_data(samples=16)
     model = mlp(AccumulatingModel, n_gradients=2)

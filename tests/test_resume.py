@@ -302,7 +302,6 @@ def test_resume_under_two_replicas_is_exact(two_replicas, tmp_path):
         assert max_weight_difference(resumed, reference) <= 2e-5, load
 
 
-@tensorflow_only("a LossScaleOptimizer on JAX, refused for now")
 def test_mixed_precision_resumes_the_loss_scale_and_an_overflowed_window(
         tmp_path):
     # Micro-batches 1 and 5 overflow float16: the first window is skipped

@@ -162,8 +162,6 @@ def test_update_signal_per_execution_marks_executions_with_an_update():
     assert iterations(model) == 4
 
 
-@tensorflow_only(
-    "a LossScaleOptimizer on JAX, refused for now (tests/test_backends.py)")
 def test_float16_accumulator_under_loss_scaling_skips_the_overflow():
     keras.mixed_precision.set_global_policy("mixed_float16")
     x, y = regression_data(samples=8 * MICRO_BATCH)
@@ -176,8 +174,6 @@ def test_float16_accumulator_under_loss_scaling_skips_the_overflow():
     assert all(np.all(np.isfinite(w)) for w in model.get_weights())
 
 
-@tensorflow_only(
-    "a LossScaleOptimizer on JAX, refused for now (tests/test_backends.py)")
 def test_update_signal_does_not_mark_a_window_skipped_for_overflow():
     keras.mixed_precision.set_global_policy("mixed_float16")
     x, y = regression_data(samples=10 * MICRO_BATCH)

@@ -18,13 +18,13 @@ ever runs on an empty batch; the window still open at an epoch's end is
 applied eagerly by the window callback, after Keras has written the state
 back into the variables.
 
-Not yet on JAX (each refused by name before training): a
-`LossScaleOptimizer` (`mixed_float16`), `keras.distribution`,
-`measure_noise_scale`, float64 accumulators without `jax_enable_x64`, and
-`accumulate_gradients` (a stateless step of the user's own). The open
+Not yet on JAX (each refused by name before training):
+`keras.distribution`, `measure_noise_scale`, float64 accumulators without
+`jax_enable_x64`, and `accumulate_gradients` (a stateless step of the
+user's own). The open
 window is saved in Keras files, laid out as on TensorFlow.
 
-Private Keras members used, checked on keras 3.15.1 with jax 0.10:
+Private Keras members used, checked on keras 3.15.1 with jax 0.10.2:
 `_get_jax_state`, `jax_state_sync`, `_jax_state`, `_jax_state_synced`,
 `stateless_call`, `stateless_compute_loss`, `_losses_override`,
 `_call_has_training_arg`, `_loss_tracker`.
@@ -48,7 +48,9 @@ from accum_model.core import checkpoint_layout as layout
 from accum_model.core import class_tree
 from accum_model.core import divisor
 from accum_model.core.messages import window_is_open
+from accum_model.core.variables import is_overwritten_with_gradient
 from accum_model.keras3 import losses
+from accum_model.keras3.optimizer import float16_gradient_flags
 
 __all__ = ["Accumulation", "END_OF_DATA_ERRORS", "LossScaling",
            "ModelDifferences", "STEPS_PER_EXECUTION_FIX", "WindowCheckpoint",
@@ -106,8 +108,13 @@ def _empty_state(variables, dtype, length, steps_left_in_epoch=-1,
     def scalar(value, kind=jnp.float32):
         return jnp.asarray(value, kind)
 
+    # Variables Keras overwrites with their "gradient" (float8 statistics)
+    # keep the window's largest value, in float32, as on TensorFlow.
     return WindowState(
-        gradient_sums=[jnp.zeros(v.shape, dtype) for v in variables],
+        gradient_sums=[
+            jnp.zeros(v.shape, jnp.float32
+                      if is_overwritten_with_gradient(v) else dtype)
+            for v in variables],
         weight_sum=scalar(0.0), loss_sum=scalar(0.0), sample_sum=scalar(0.0),
         micro_steps=scalar(0, jnp.int32),
         steps_left_in_epoch=scalar(steps_left_in_epoch, jnp.int32),
@@ -156,6 +163,14 @@ class Accumulation:
         self._epoch_steps = -1
         self._model = None
         self._apply_open = None
+        self._float16_gradients = None
+        # For each trainable variable, whether the large batch's gradient
+        # of it is float16 (set when the window is built).
+        self.float16_flags = []
+        # For each, whether Keras overwrites it with its "gradient".
+        self.overwrite = []
+        # The window's state inside a step being traced, else None.
+        self._traced_window = None
         self._warned = set()
 
     def warn_once(self, message):
@@ -234,8 +249,14 @@ class Accumulation:
         return self.update_signal.watching(train_function, optimizer)
 
     def micro_batch_share(self):
-        # Only a LossScaleOptimizer uses the share, and JAX has none yet.
-        return 1.0
+        """1/n inside the step (see `arithmetic.micro_batch_share`); 1.0
+        outside it."""
+        state = self._traced_window
+        if state is None:
+            return 1.0
+        return arithmetic.micro_batch_share(
+            state.length, state.micro_steps, state.steps_left_in_epoch, 1,
+            JAX_OPS)
 
     def accumulator_bytes(self):
         if self.window is None:
@@ -247,8 +268,9 @@ class Accumulation:
 
     def set_up(self, loss_scaling, run_eagerly, report_loss=None,
                float16_gradients=None):
-        del run_eagerly, report_loss, float16_gradients
+        del run_eagerly, report_loss
         self.loss_scaling = loss_scaling
+        self._float16_gradients = float16_gradients
         self._apply_open = None
 
     def check_window_fits(self, trainable_variables):
@@ -279,6 +301,13 @@ class Accumulation:
             variables, self.settings.accumulator_dtype, self.window_length(),
             self._epoch_steps))
         self._apply_open = None
+        self.overwrite = [is_overwritten_with_gradient(v) for v in variables]
+        self.float16_flags = [
+            flag and not overwrite for flag, overwrite in zip(
+                self._float16_gradients(variables)
+                if self.loss_scaling is not None and self.loss_scaling.active
+                and self._float16_gradients is not None
+                else [False] * len(variables), self.overwrite)]
         self.checkpoint.window_built()
 
     def write_window(self, arrays):
@@ -330,10 +359,10 @@ class Accumulation:
         # recompiled model that refused to train applies its open window
         # with it).
         optimizer = self.loss_scaling.optimizer
-        key = (self.divide_by_weight, self.settings.may_overflow)
+        key = self.divide_by_weight
         if self._apply_open is None or self._apply_open[0] != key:
             self._apply_open = key, jax.jit(functools.partial(
-                _end_window, optimizer, *key))
+                _end_window, self))
         state = self.window.state
         window_loss = arithmetic.window_loss(
             state.loss_sum, state.weight_sum, self.divide_by_weight, JAX_OPS)
@@ -375,23 +404,52 @@ def _check_settings(settings):
             "accumulator_dtype='float64'")
 
 
-def _end_window(optimizer, divide_by_weight, may_overflow, operands):
+def _end_window(accumulation, operands):
     """Applies the window in `operands` (trainable values, optimizer
-    values, `WindowState`) with the optimizer, or skips it when a narrow
-    accumulator overflowed; returns the three with the window emptied."""
+    values, `WindowState`) with the optimizer, or skips it when it
+    overflowed; returns the three with the window emptied."""
     trainable, optimizer_values, state = operands
-    total_weight = (state.weight_sum if divide_by_weight
+    scaling = accumulation.loss_scaling
+    total_weight = (state.weight_sum if accumulation.divide_by_weight
                     else jnp.ones_like(state.weight_sum))
+    gradients = [
+        total.astype(value.dtype) if overwrite else arithmetic.divide_no_nan(
+            jnp.asarray(total, jnp.float32), total_weight, JAX_OPS
+        ).astype(value.dtype)
+        for total, value, overwrite in zip(
+            state.gradient_sums, trainable, accumulation.overwrite)
+    ]
+
+    def finite():
+        return jnp.all(jnp.stack(
+            [jnp.all(jnp.isfinite(s)) for s in state.gradient_sums]
+            or [jnp.asarray(True)]))
+
+    if scaling.active:
+        scale = optimizer_values[scaling.scale_index()]
+        flagged = [jnp.max(jnp.abs(jnp.asarray(s, jnp.float32)))
+                   for s, flag in zip(state.gradient_sums,
+                                      accumulation.float16_flags) if flag]
+        largest = (jnp.max(jnp.stack(flagged)) if flagged
+                   else jnp.asarray(0.0))
+        fits = jnp.logical_and(finite(), arithmetic.fits_float16(
+            largest, scale, total_weight))
+        # Keras's own LossScaleOptimizer unscales, checks, applies or
+        # skips, and moves the scale, as after one large batch.
+        # (Keras never scales what it overwrites with the "gradient".)
+        scaled = [g if overwrite
+                  else jnp.where(fits, g * scale.astype(g.dtype), jnp.inf)
+                  for g, overwrite in zip(gradients, accumulation.overwrite)]
+        trainable, optimizer_values = scaling.optimizer.stateless_apply(
+            optimizer_values, scaled, trainable)
+        state = _reset(state)
+        return list(trainable), list(optimizer_values), state._replace(
+            skipped_windows=state.skipped_windows
+            + jnp.where(fits, 0, 1).astype(state.skipped_windows.dtype))
 
     def update(operands):
         trainable, optimizer_values, state = operands
-        gradients = [
-            arithmetic.divide_no_nan(
-                jnp.asarray(total, jnp.float32), total_weight, JAX_OPS
-            ).astype(value.dtype)
-            for total, value in zip(state.gradient_sums, trainable)
-        ]
-        trainable, optimizer_values = optimizer.stateless_apply(
+        trainable, optimizer_values = scaling.optimizer.stateless_apply(
             optimizer_values, gradients, trainable)
         return list(trainable), list(optimizer_values), _reset(state)
 
@@ -401,12 +459,9 @@ def _end_window(optimizer, divide_by_weight, may_overflow, operands):
         return trainable, optimizer_values, state._replace(
             skipped_windows=state.skipped_windows + 1)
 
-    if not may_overflow:
+    if not accumulation.settings.may_overflow:
         return update(operands)
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(s))
-                                for s in state.gradient_sums] or
-                               [jnp.asarray(True)]))
-    return jax.lax.cond(finite, update, skip, operands)
+    return jax.lax.cond(finite(), update, skip, operands)
 
 
 def accumulating_train_step(model, state, data):
@@ -418,6 +473,13 @@ def accumulating_train_step(model, state, data):
     window = optimizer_and_window[-1]
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     default_weight = _has_default_micro_batch_weight(type(model))
+    accumulation._traced_window = window
+
+    def optimizer_values_in_scope():
+        # Loss scaling reads the step's own values of the optimizer's
+        # variables (the dynamic scale), as Keras's JAX step does.
+        return keras.StatelessScope(state_mapping=list(
+            zip(model.optimizer.variables, optimizer_values)))
 
     def scaled_loss_of(trainable):
         kwargs = {"training": True} if model._call_has_training_arg else {}
@@ -446,21 +508,29 @@ def accumulating_train_step(model, state, data):
         accumulation.divide_by_weight = not (
             default_weight and not accumulation.weight_from_batch_size
             and divisor.is_summed(reductions))
-        return model.get_scaled_loss(loss), (
+        with optimizer_values_in_scope():
+            scaled_loss = model.get_scaled_loss(loss)
+        return scaled_loss, (
             loss, y_pred, new_non_trainable, new_metrics, weight)
 
     (_, aux), gradients = jax.value_and_grad(scaled_loss_of, has_aux=True)(
         trainable)
     loss, y_pred, non_trainable, metrics_values, weight = aux
-    gradients = model.get_unscaled_gradients(gradients)
+    with optimizer_values_in_scope():
+        gradients = model.get_unscaled_gradients(gradients)
 
     samples = jnp.asarray(divisor.batch_size(x, JAX_SHAPES), jnp.float32)
     wide = jnp.float64 if window.gradient_sums and (
         window.gradient_sums[0].dtype == jnp.float64) else jnp.float32
+    first = window.micro_steps == 0
     window = window._replace(
         gradient_sums=[
-            total + (jnp.asarray(g, wide) * weight).astype(total.dtype)
-            for total, g in zip(window.gradient_sums, gradients)],
+            jnp.where(first, jnp.asarray(g, jnp.float32),
+                      jnp.maximum(total, jnp.asarray(g, jnp.float32)))
+            if overwrite
+            else total + (jnp.asarray(g, wide) * weight).astype(total.dtype)
+            for total, g, overwrite in zip(
+                window.gradient_sums, gradients, accumulation.overwrite)],
         weight_sum=window.weight_sum + weight,
         loss_sum=window.loss_sum + arithmetic.weighted_loss(
             jnp.asarray(loss, jnp.float32), weight, JAX_OPS),
@@ -476,9 +546,7 @@ def accumulating_train_step(model, state, data):
     window_samples = window.sample_sum
     trainable, optimizer_values, window = jax.lax.cond(
         ends,
-        functools.partial(_end_window, accumulation.loss_scaling.optimizer,
-                          accumulation.divide_by_weight,
-                          accumulation.settings.may_overflow),
+        functools.partial(_end_window, accumulation),
         lambda operands: operands,
         (list(trainable), optimizer_values, window),
     )
@@ -492,7 +560,10 @@ def accumulating_train_step(model, state, data):
         logs = model.compute_metrics(x, y, y_pred, sample_weight)
     metrics_values = [
         _current(scope, variable) for variable in model.metrics_variables]
-    if accumulation.settings.may_overflow:
+    accumulation._traced_window = None
+    if (accumulation.settings.may_overflow
+            or accumulation.loss_scaling.active):
+        # An overflow must never pass silently: show the count.
         logs = {**logs, "skipped_windows": window.skipped_windows}
     return logs, (trainable, non_trainable,
                   optimizer_values + [window], metrics_values)
@@ -588,34 +659,66 @@ class UpdateSignal:
 
 
 class LossScaling:
-    """The compiled optimizer's duties on JAX: a static
-    `loss_scale_factor` only (Keras's optimizer divides it out when it
-    applies the window).
+    """The compiled optimizer's duties on JAX, taken apart for windows.
 
-    Raises:
-        ValueError: The optimizer is a `LossScaleOptimizer`.
+    Each micro step scales its loss by the `LossScaleOptimizer`'s dynamic
+    scale S times its share of the window (1/n), and unscales its
+    gradients by the same, read from the step's own optimizer values. The
+    window end hands the `LossScaleOptimizer` the window's mean gradient
+    scaled by S again, or inf where the window overflowed (a non-finite
+    sum, or a float16 weight gradient whose sum the large batch could not
+    hold): its own `stateless_apply` then unscales and applies, or skips,
+    and moves the scale, exactly as after one large batch. A static
+    `loss_scale_factor` multiplies the loss and the optimizer divides it
+    out. Reads `dynamic_scale` (public), checked on keras 3.15.1.
+
+    Args:
+        optimizer: The compiled optimizer, a `LossScaleOptimizer` or not.
     """
 
-    active = False
     counts_skipped_steps = False
 
     def __init__(self, optimizer):
-        if isinstance(optimizer, optimizers.LossScaleOptimizer):
-            raise ValueError(
-                "AccumulatingModel does not take a `LossScaleOptimizer` "
-                f"{_NOT_YET} (the 'mixed_float16' policy wraps one in "
-                "compile()); 'mixed_bfloat16' needs no loss scaling. "
-                f"Received: optimizer={type(optimizer).__name__}")
         self.optimizer = optimizer
+        if isinstance(optimizer, optimizers.LossScaleOptimizer):
+            self.loss_scale_optimizer = optimizer
+            self.update_optimizer = optimizer.inner_optimizer
+        else:
+            self.loss_scale_optimizer = None
+            self.update_optimizer = optimizer
+
+    @property
+    def active(self):
+        return self.loss_scale_optimizer is not None
+
+    def current_scale(self):
+        """S, read inside the step's `StatelessScope` (its traced value)."""
+        return jnp.asarray(
+            keras.ops.convert_to_tensor(self.loss_scale_optimizer
+                                        .dynamic_scale), jnp.float32)
 
     def scale_loss(self, loss, share=1.0):
-        del share
-        factor = getattr(self.optimizer, "loss_scale_factor", None)
-        return loss if factor is None else loss * factor
+        factor = getattr(self.update_optimizer, "loss_scale_factor", None)
+        if factor is not None:
+            loss = loss * factor
+        if not self.active:
+            return loss
+        return loss * (self.current_scale() * share).astype(loss.dtype)
 
     def unscale_gradients(self, gradients, variables=None, share=1.0):
-        del variables, share
-        return gradients
+        if not self.active:
+            return gradients
+        keep = [is_overwritten_with_gradient(v)
+                for v in (variables or [None] * len(gradients))]
+        factor = 1.0 / (self.current_scale() * share)
+        return [g if kept else g * factor.astype(g.dtype)
+                for g, kept in zip(gradients, keep)]
+
+    def scale_index(self):
+        """Where S sits among the optimizer's variables."""
+        lso = self.loss_scale_optimizer
+        return next(i for i, v in enumerate(lso.variables)
+                    if v is lso.dynamic_scale)
 
 
 class WindowCheckpoint(KerasSaveable):
