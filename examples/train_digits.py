@@ -102,10 +102,8 @@ def main(epochs=5, micro_batch=16, n_gradients=4):
     (x_train, y_train), validation = load_data()
     keras.utils.set_random_seed(0)
 
-    # The noise scale is measured on the TensorFlow backend (not yet on JAX).
-    measure = n_gradients > 1 and keras.backend.backend() == "tensorflow"
     accumulating = build_cnn(AccumulatingModel, n_gradients=n_gradients,
-                             measure_noise_scale=measure)
+                             measure_noise_scale=n_gradients > 1)
     plain = build_cnn(keras.Model)
     plain_xla = build_cnn(keras.Model)
     for model in (plain, plain_xla):

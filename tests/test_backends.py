@@ -53,7 +53,6 @@ def test_a_distribution_is_refused_by_name():
 
 @jax_only
 @pytest.mark.parametrize("settings, name", [
-    ({"measure_noise_scale": True}, "measure_noise_scale"),
     ({"accumulator_dtype": "float64"}, "jax_enable_x64"),
 ])
 def test_settings_jax_cannot_carry_are_refused_at_construction(settings,

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from accum_model import AccumulatingModel
-from backends import ON_TENSORFLOW
 from helpers import iterations
 from helpers import max_weight_difference
 from helpers import mlp
@@ -262,7 +261,7 @@ def test_an_epoch_in_which_no_window_ends_logs_its_micro_batches_loss(
     # they logged 0.0, and EarlyStopping/ModelCheckpoint acted on it.
     x, y = regression_data(samples=80)
     model = mlp(AccumulatingModel, n_gradients=16, flush_each_epoch=False,
-                measure_noise_scale=ON_TENSORFLOW)
+                measure_noise_scale=True)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     at_end = _LossAtEpochEnd(x, y)
     csv_path = tmp_path / "log.csv"
@@ -275,11 +274,10 @@ def test_an_epoch_in_which_no_window_ends_logs_its_micro_batches_loss(
     np.testing.assert_allclose([history["loss"][k] for k in (0, 2)],
                                [at_end.losses[k] for k in (0, 2)], rtol=1e-5)
     assert min(history["loss"]) > 0.0
-    if ON_TENSORFLOW:
-        # One noise scale per epoch: NaN where no window ended, so the list
-        # and CSVLogger's column line up with the epochs.
-        assert np.isnan(history["noise_scale"]).tolist() == [True, False,
-                                                            True, False]
+    # One noise scale per epoch: NaN where no window ended, so the list and
+    # CSVLogger's column line up with the epochs.
+    assert np.isnan(history["noise_scale"]).tolist() == [True, False, True,
+                                                        False]
     with open(csv_path) as rows:
         rows = list(csv.DictReader(rows))
     assert [int(row["epoch"]) for row in rows] == [0, 1, 2, 3]

@@ -12,12 +12,16 @@ import csv
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from accum_model import AccumulatingModel
 from accum_model import accumulating
+from backends import ON_TENSORFLOW
+from backends import tensorflow_only
 from helpers import mlp
 from helpers import regression_data
+
+if ON_TENSORFLOW:
+    import tensorflow as tf
 
 _TRUE_KERNEL = np.array([1.0, -0.5, 0.8, 0.3], np.float32)
 
@@ -129,6 +133,7 @@ def test_measuring_changes_no_weight():
         np.testing.assert_array_equal(off, on)
 
 
+@tensorflow_only("reads the traced TensorFlow graph and variables")
 def test_off_adds_no_variable_and_no_op():
     x, y = regression_data(samples=32)
     names = {}
@@ -179,6 +184,7 @@ def test_epochs_of_one_micro_batch_log_nan(tmp_path):
     np.testing.assert_allclose(np.array(column, float), noise_scale)
 
 
+@tensorflow_only("reads the TensorFlow window's noise variables")
 def test_a_window_restored_open_is_not_measured(tmp_path):
     x, y = _linear_data(samples=72)
     model = _linear_model(n_gradients=4, measure_noise_scale=True)

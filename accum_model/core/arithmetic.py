@@ -77,6 +77,17 @@ def fits_float16(largest_sum, loss_scale, total_weight):
     return largest_sum * loss_scale < FLOAT16_OVERFLOW * total_weight
 
 
+def noise_micro_batch_term(weight, squared_norm, size, ops):
+    """One micro-batch's v |g_v|^2 for the noise scale.
+
+    The window adds the micro-batch's gradient times `weight`, and
+    `weight * g = v g_v` with v its `size` (what its loss was a mean over:
+    `weight` itself for a mean, its samples for a "sum" loss), so
+    v |g_v|^2 = weight^2 |g|^2 / v.
+    """
+    return divide_no_nan(weight * weight * squared_norm, size, ops)
+
+
 def noise_estimates(squared_norm_sum, summed_norm, weight, micro_batches,
                     ops):
     """One window's unbiased estimates of tr(Sigma) and |G|^2.

@@ -19,9 +19,10 @@ applied eagerly by the window callback, after Keras has written the state
 back into the variables.
 
 Not yet on JAX (each refused by name before training):
-`keras.distribution`, `measure_noise_scale`, float64 accumulators without
-`jax_enable_x64`, and `accumulate_gradients` (a stateless step of the
-user's own). The open
+`keras.distribution`, float64 accumulators without `jax_enable_x64`, and
+`accumulate_gradients` (a stateless step of the user's own).
+BatchNormalization layers move their moving statistics per micro-batch
+(`fit()` warns). The open
 window is saved in Keras files, laid out as on TensorFlow.
 
 Private Keras members used, checked on keras 3.15.1 with jax 0.10.2:
@@ -101,6 +102,17 @@ class WindowState(typing.NamedTuple):
     length: jax.Array
     next_length: jax.Array
     skipped_windows: jax.Array
+    # The noise scale (`measure_noise_scale`; zeros otherwise): the window's
+    # sum of v |g_v|^2, of v, its micro-batches with v > 0, and 0.0 while
+    # its first micro-batches are missing from those sums (restored open);
+    # then the epoch's summed estimates of tr(Sigma), |G|^2 and their count.
+    noise_squared_norm_sum: jax.Array
+    noise_weight_sum: jax.Array
+    noise_micro_batches: jax.Array
+    noise_measurable: jax.Array
+    noise_trace_sum: jax.Array
+    noise_signal_sum: jax.Array
+    noise_estimates: jax.Array
 
 
 def _empty_state(variables, dtype, length, steps_left_in_epoch=-1,
@@ -121,6 +133,10 @@ def _empty_state(variables, dtype, length, steps_left_in_epoch=-1,
         length=scalar(length, jnp.int32), next_length=scalar(length,
                                                              jnp.int32),
         skipped_windows=scalar(skipped_windows, jnp.int32),
+        noise_squared_norm_sum=scalar(0.0), noise_weight_sum=scalar(0.0),
+        noise_micro_batches=scalar(0.0), noise_measurable=scalar(1.0),
+        noise_trace_sum=scalar(0.0), noise_signal_sum=scalar(0.0),
+        noise_estimates=scalar(0.0),
     )
 
 
@@ -134,6 +150,10 @@ def _reset(state):
         sample_sum=jnp.zeros_like(state.sample_sum),
         micro_steps=jnp.zeros_like(state.micro_steps),
         length=state.next_length,
+        noise_squared_norm_sum=jnp.zeros_like(state.noise_squared_norm_sum),
+        noise_weight_sum=jnp.zeros_like(state.noise_weight_sum),
+        noise_micro_batches=jnp.zeros_like(state.noise_micro_batches),
+        noise_measurable=jnp.ones_like(state.noise_measurable),
     )
 
 
@@ -225,7 +245,13 @@ class Accumulation:
         return int(self.window.state.skipped_windows)
 
     def noise_scale(self):
-        return None
+        """The epoch's B_noise so far, or None (see `arithmetic.noise_scale`)."""
+        if self.window is None or not self.settings.measure_noise_scale:
+            return None
+        state = self.window.state
+        return arithmetic.noise_scale(float(state.noise_trace_sum),
+                                      float(state.noise_signal_sum),
+                                      float(state.noise_estimates))
 
     def loss_totals(self):
         if self.window is None:
@@ -324,6 +350,13 @@ class Accumulation:
                 for value, total in zip(gradients, state.gradient_sums)],
             **{name: jnp.asarray(counters[name], getattr(state, name).dtype)
                for name in layout.COUNTERS},
+            # A window restored open is not measured: its micro-batches
+            # before the checkpoint are not in the noise sums.
+            noise_squared_norm_sum=jnp.asarray(0.0, jnp.float32),
+            noise_weight_sum=jnp.asarray(0.0, jnp.float32),
+            noise_micro_batches=jnp.asarray(0.0, jnp.float32),
+            noise_measurable=jnp.asarray(
+                0.0 if counters["micro_steps"] else 1.0, jnp.float32),
         )
         self._set_length(self.window_length())
 
@@ -335,8 +368,15 @@ class Accumulation:
         if epoch is not None:
             self.epoch = epoch
         if self.window is not None:
-            self.window.state = self.window.state._replace(
-                steps_left_in_epoch=jnp.asarray(self._epoch_steps, jnp.int32))
+            replaced = {"steps_left_in_epoch": jnp.asarray(self._epoch_steps,
+                                                           jnp.int32)}
+            if epoch is not None:
+                # The noise scale is the epoch's own.
+                replaced.update({
+                    name: jnp.asarray(0.0, jnp.float32) for name in (
+                        "noise_trace_sum", "noise_signal_sum",
+                        "noise_estimates")})
+            self.window.state = self.window.state._replace(**replaced)
             self._set_length(self.window_length())
 
     def _set_length(self, length):
@@ -392,9 +432,6 @@ class _Window:
 
 
 def _check_settings(settings):
-    if settings.measure_noise_scale:
-        raise ValueError(f"`measure_noise_scale=True` is not supported "
-                         f"{_NOT_YET}. Received: measure_noise_scale=True")
     if (settings.accumulator_dtype == "float64"
             and not jax.config.jax_enable_x64):
         raise ValueError(
@@ -425,6 +462,30 @@ def _end_window(accumulation, operands):
             [jnp.all(jnp.isfinite(s)) for s in state.gradient_sums]
             or [jnp.asarray(True)]))
 
+    def measured(state, applied):
+        """`state` with the window's noise estimates added to the epoch's
+        where it was `applied` (a skipped window is not measured)."""
+        if not accumulation.settings.measure_noise_scale:
+            return state
+        summed_norm = sum(
+            (jnp.sum(jnp.square(jnp.asarray(s, jnp.float32)))
+             for s, overwrite in zip(state.gradient_sums,
+                                     accumulation.overwrite)
+             if not overwrite), jnp.asarray(0.0))
+        trace, signal = arithmetic.noise_estimates(
+            state.noise_squared_norm_sum, summed_norm, state.noise_weight_sum,
+            state.noise_micro_batches, JAX_OPS)
+        counts = jnp.logical_and(
+            applied, jnp.logical_and(state.noise_micro_batches >= 2.0,
+                                     state.noise_measurable > 0.0))
+        return state._replace(
+            noise_trace_sum=state.noise_trace_sum + jnp.where(counts, trace,
+                                                              0.0),
+            noise_signal_sum=state.noise_signal_sum + jnp.where(
+                counts, signal, 0.0),
+            noise_estimates=state.noise_estimates + jnp.where(counts, 1.0,
+                                                              0.0))
+
     if scaling.active:
         scale = optimizer_values[scaling.scale_index()]
         flagged = [jnp.max(jnp.abs(jnp.asarray(s, jnp.float32)))
@@ -442,7 +503,7 @@ def _end_window(accumulation, operands):
                   for g, overwrite in zip(gradients, accumulation.overwrite)]
         trainable, optimizer_values = scaling.optimizer.stateless_apply(
             optimizer_values, scaled, trainable)
-        state = _reset(state)
+        state = _reset(measured(state, fits))
         return list(trainable), list(optimizer_values), state._replace(
             skipped_windows=state.skipped_windows
             + jnp.where(fits, 0, 1).astype(state.skipped_windows.dtype))
@@ -451,7 +512,8 @@ def _end_window(accumulation, operands):
         trainable, optimizer_values, state = operands
         trainable, optimizer_values = scaling.optimizer.stateless_apply(
             optimizer_values, gradients, trainable)
-        return list(trainable), list(optimizer_values), _reset(state)
+        return (list(trainable), list(optimizer_values),
+                _reset(measured(state, True)))
 
     def skip(operands):
         trainable, optimizer_values, state = operands
@@ -536,6 +598,7 @@ def accumulating_train_step(model, state, data):
             jnp.asarray(loss, jnp.float32), weight, JAX_OPS),
         sample_sum=window.sample_sum + samples,
         micro_steps=window.micro_steps + 1,
+        **_noise_terms(accumulation, window, gradients, weight, samples),
         steps_left_in_epoch=window.steps_left_in_epoch - 1,
     )
     ends = jnp.logical_or(window.micro_steps >= window.length,
@@ -567,6 +630,26 @@ def accumulating_train_step(model, state, data):
         logs = {**logs, "skipped_windows": window.skipped_windows}
     return logs, (trainable, non_trainable,
                   optimizer_values + [window], metrics_values)
+
+
+def _noise_terms(accumulation, window, gradients, weight, samples):
+    """The window's noise sums with this micro-batch in (see the TensorFlow
+    window's `NoiseScale.add`); none when the noise scale is off."""
+    if not accumulation.settings.measure_noise_scale:
+        return {}
+    squared_norm = sum(
+        (jnp.sum(jnp.square(jnp.asarray(g, jnp.float32)))
+         for g, overwrite in zip(gradients, accumulation.overwrite)
+         if not overwrite), jnp.asarray(0.0))
+    size = weight if accumulation.divide_by_weight else samples
+    return {
+        "noise_squared_norm_sum": window.noise_squared_norm_sum
+        + arithmetic.noise_micro_batch_term(weight, squared_norm, size,
+                                            JAX_OPS),
+        "noise_weight_sum": window.noise_weight_sum + size,
+        "noise_micro_batches": window.noise_micro_batches
+        + jnp.where(size > 0, 1.0, 0.0),
+    }
 
 
 def _current(scope, variable):

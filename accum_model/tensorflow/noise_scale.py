@@ -79,10 +79,8 @@ class NoiseScale:
                 or [tf.constant(0.0)]
             )
             size = weight if divided else samples
-            # v |g_mean|^2, with the window's gradient weight * g = v g_mean.
-            term = tf.math.divide_no_nan(tf.square(weight) * squared_norm,
-                                         size)
-            self.squared_norm_sum.assign_add(term)
+            self.squared_norm_sum.assign_add(arithmetic.noise_micro_batch_term(
+                weight, squared_norm, size, TF_OPS))
             self.weight_sum.assign_add(size)
             self.micro_batches.assign_add(tf.cast(size > 0, tf.float32))
 
