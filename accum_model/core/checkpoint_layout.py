@@ -112,3 +112,53 @@ def window_to_write(arrays, sizes, skipped_windows):
     gradients = [arrays["gradients"][offsets[i]:offsets[i + 1]]
                  for i in range(len(sizes))]
     return gradients, [bool(h) for h in arrays["has_gradient"]], counters
+
+
+class RestoredWindow:
+    """A window read from a file, written into the window once it exists.
+
+    Files are often loaded before the first training step builds the window
+    (build, compile, `load_weights`): the arrays wait here, and count as
+    the open window meanwhile. Each backend's checkpoint subclasses this and
+    says whether its window exists (`_window_exists`) and how to write
+    `read` arrays into it (`_write`).
+    """
+
+    def __init__(self):
+        # A restored window waiting for the model to build its own.
+        self._pending = None
+        # Micro steps of the window the last restore wrote (or holds).
+        self.restored_micro_steps = 0
+
+    def restore_state(self, arrays):
+        """Restores the window saved as `arrays` (empty: no window open)."""
+        arrays = read(arrays)
+        self.restored_micro_steps = int(counter(arrays, "micro_steps"))
+        if not self._window_exists():
+            self._pending = arrays
+            return
+        self._pending = None
+        self._write(arrays)
+
+    def window_built(self, window=None):
+        """Writes a restored window into the window the model just built."""
+        del window
+        if self._pending is not None:
+            arrays, self._pending = self._pending, None
+            self._write(arrays)
+
+    def pending_count(self, name):
+        """A counter of the restored window not yet written, else 0.
+
+        Args:
+            name: "micro_steps" or "skipped_windows".
+        """
+        if self._pending is None:
+            return 0
+        return int(counter(self._pending, name))
+
+    def _window_exists(self):
+        raise NotImplementedError
+
+    def _write(self, arrays):
+        raise NotImplementedError

@@ -147,6 +147,29 @@ def micro_batch_weight(reductions, fallback, model_name, has_other_losses):
     return first.divisor
 
 
+def default_weight(model, x, y_pred, get_mask, ops):
+    """What Keras divided the compiled loss by in this micro step (see
+    `AccumulatingModel.micro_batch_weight`), as a float32 scalar.
+
+    Args:
+        model: The accumulating model, in its training step (which recorded
+            its loss terms' reductions in `_traced_loss_reductions`).
+        x: The micro-batch's inputs.
+        y_pred: The predictions.
+        get_mask: Callable returning a tensor's Keras mask, or None.
+        ops: The backend's `ShapeOps`.
+    """
+    if model._accumulation.weight_from_batch_size:
+        return ops.to_float32(batch_size(x, ops))
+    weight = micro_batch_weight(
+        getattr(model, "_traced_loss_reductions", []),
+        lambda: fallback_divisor(x, y_pred, get_mask, ops),
+        type(model).__name__, has_other_losses=bool(model.losses),
+    )
+    # "sum": nothing divides; the window is the sum of its micro-batches.
+    return ops.to_float32(1.0) if weight is SUM else weight
+
+
 def fallback_divisor(x, y_pred, get_mask, ops):
     """Keras's divisor read from the first output, when no loss was seen.
 

@@ -14,10 +14,10 @@ optimizers (`optimizers.legacy`) are built through the private
 
 import tensorflow as tf
 
-from accum_model.tensorflow.optimizer_duties import OptimizerDuties
-from accum_model.tensorflow.optimizer_duties import scaled_gradients
+from accum_model.core.optimizer_duties import OptimizerDuties
 from accum_model.keras2.package import keras
 from accum_model.keras2.package import src
+from accum_model.tensorflow.optimizer_duties import scaled_gradients
 
 _optimizer_v2 = src("optimizers.legacy.optimizer_v2")
 _autocast_variable = src("mixed_precision.autocast_variable")

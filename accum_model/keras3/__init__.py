@@ -6,7 +6,7 @@ through `accum_model._chooser`. Most modules here hold on every Keras 3
 backend; the training step, the window's state and saving are each
 backend's, and this package picks them as Keras picks its backend
 (`keras/src/backend/__init__.py`): `tensorflow_*` modules on TensorFlow,
-`jax_training` on JAX. Each module says which Keras 3 versions its private
+`jax_training` and `jax_window` on JAX. Each module says which Keras 3 versions its private
 details were checked on.
 """
 
@@ -37,10 +37,10 @@ from accum_model.keras3.training import BACKEND
 if BACKEND == "jax":
     from accum_model.keras3.jax_training import END_OF_DATA_ERRORS
     from accum_model.keras3.jax_training import STEPS_PER_EXECUTION_FIX
-    from accum_model.keras3.jax_training import Accumulation
-    from accum_model.keras3.jax_training import LossScaling
+    from accum_model.keras3.jax_window import Accumulation
+    from accum_model.keras3.jax_window import LossScaling
     from accum_model.keras3.jax_training import ModelDifferences
-    from accum_model.keras3.jax_training import WindowCheckpoint
+    from accum_model.keras3.jax_window import WindowCheckpoint
     from accum_model.keras3.jax_training import accumulate_gradients
     from accum_model.keras3.jax_training import accumulating_train_step
     from accum_model.keras3.jax_training import check_strategy

@@ -22,8 +22,8 @@ import tensorflow as tf
 from keras import optimizers
 
 from accum_model.core import patch
+from accum_model.core.optimizer_duties import OptimizerDuties
 from accum_model.core.variables import is_overwritten_with_gradient
-from accum_model.tensorflow.optimizer_duties import OptimizerDuties
 from accum_model.tensorflow.optimizer_duties import scaled_gradients
 
 __all__ = ["LossScaling"]

@@ -18,15 +18,16 @@ import warnings
 import tensorflow as tf
 
 from accum_model.core import arithmetic
-from accum_model.tensorflow import replicas
+from accum_model.core.lifecycle import WindowLifecycle
 from accum_model.core.messages import window_is_open
+from accum_model.tensorflow import replicas
+from accum_model.tensorflow.ops import TF_OPS
 from accum_model.tensorflow.update_signal import UpdateSignal
 from accum_model.tensorflow.window import GradientWindow
-from accum_model.tensorflow.ops import TF_OPS
 from accum_model.tensorflow.window_end import WindowEnd
 
 
-class Accumulation:
+class Accumulation(WindowLifecycle):
     """The window state of one model, and its life cycle.
 
     Args:
@@ -48,133 +49,39 @@ class Accumulation:
     """
 
     def __init__(self, settings):
-        self.settings = settings
-        self.window = None
+        super().__init__(settings)
         self.window_end = None
-        self.loss_scaling = None
         self.update_signal = UpdateSignal(self._updates_applied)
         self._optimizer = None
-        self.checkpoint = None
-        self.epoch = 0
-        self.weight_from_batch_size = False
-        # Micro steps in the current epoch, or -1 when unknown or when
-        # windows carry across epochs.
-        self._epoch_steps = -1
         self._run_eagerly = False
         self._report_loss = None
         self._float16_gradients = None
-        self._warned = set()
 
-    def warn_once(self, message):
-        """Warns with `message` once for this model (later fits are quiet)."""
-        if message not in self._warned:
-            self._warned.add(message)
-            warnings.warn(message, stacklevel=5)
+    # What `WindowLifecycle` asks of a backend --------------------------------
 
-    # Settings --------------------------------------------------------------
+    def _window_count(self, name):
+        return int(getattr(self.window, name).numpy())
 
-    @property
-    def accumulates(self):
-        return self.settings.accumulates
+    def _tracks_loss(self):
+        return self.window.tracks_loss
 
-    def window_length(self):
-        """Int. Micro-batches per window in the current epoch."""
-        return self.settings.length_for_epoch(self.epoch)
+    def _divides_by_weight(self):
+        return self.window_end.divide_by_weight
 
-    def reconfigure(self, settings):
-        """Takes new settings, at a window boundary only.
+    def _forget_window(self):
+        self.window = None
+        self.window_end = None
 
-        Returns:
-            Whether the settings changed (the training step must be traced
-            anew if so).
-
-        Raises:
-            ValueError: A window is open and the settings differ.
-        """
-        if settings == self.settings:
-            return False
-        open_steps = self.open_micro_steps()
-        if open_steps:
-            changed = ", ".join(
-                f"{name}={value!r}"
-                for name, value in settings.as_dict().items()
-                if value != self.settings.as_dict()[name]
-            )
-            raise ValueError(
-                "The accumulation settings can only change at a window "
-                f"boundary, and the model has {window_is_open(open_steps)}. "
-                f"Received: {changed}"
-            )
-        if (settings.accumulator_dtype != self.settings.accumulator_dtype
-                or settings.measure_noise_scale
-                != self.settings.measure_noise_scale):
-            # The next step builds the window anew, in the new dtype, with
-            # or without the noise scale's variables.
-            self.window = None
-            self.window_end = None
-        self.settings = settings
-        if self.window is not None:
-            self.window.set_length(self.window_length())
-        return True
-
-    # What users read -------------------------------------------------------
-
-    def window_left_open(self):
-        """Micro-batches of an open window that no checkpoint restored.
-
-        Such a window was left by `train_on_batch` or a loop driven by hand
-        (or a `fit()` that raised); a window restored from a checkpoint is
-        one that training means to continue. Asking clears the restored
-        count: the next question is about what happens after it.
-        """
-        open_steps = self.open_micro_steps()
-        restored = self.checkpoint.restored_micro_steps
-        self.checkpoint.restored_micro_steps = 0
-        return 0 if open_steps == restored else open_steps
-
-    def open_micro_steps(self):
-        """Int. Micro-batches accumulated and not yet applied."""
-        if self.window is None:
-            return self.checkpoint.pending_count("micro_steps")
-        return int(self.window.micro_steps.numpy())
-
-    def skipped_windows(self):
-        """Int. Windows skipped because a gradient overflowed."""
-        if self.window is None:
-            return self.checkpoint.pending_count("skipped_windows")
-        return int(self.window.skipped_windows.numpy())
+    def _set_window_length(self, length):
+        self.window.set_length(length)
 
     def loss_totals(self):
-        """The open window's loss sum, weight sum (over replicas) and micro
-        steps, eagerly: zeros without a window. See `loss_since`."""
         window = self.window
         if window is None:
             return 0.0, 0.0, 0
         return (float(window.loss_sum.read_value().numpy()),
                 float(window.weight_sum.read_value().numpy()),
                 self.open_micro_steps())
-
-    def loss_since(self, start):
-        """The loss of the micro-batches added since `start` (eagerly).
-
-        Weighted as their window weighs them: the loss of those
-        micro-batches as one batch, a part of the open window. Valid while
-        no window ended since `start` was read from `loss_totals()`.
-
-        Returns:
-            A float, or None where no micro step was added or none handed in
-            its loss (a `train_step` of the user's own logs its own).
-        """
-        window = self.window
-        if window is None or not window.tracks_loss:
-            return None
-        loss_sum, weight_sum, micro_steps = (
-            now - before for now, before in zip(self.loss_totals(), start)
-        )
-        if micro_steps <= 0:
-            return None
-        return arithmetic.loss_of_part(loss_sum, weight_sum,
-                                       self.window_end.divide_by_weight)
 
     def noise_scale(self):
         """Float, the gradient noise scale measured in the current epoch.
@@ -345,10 +252,7 @@ class Accumulation:
             steps: Int. Micro steps in the epoch, or None if unknown.
             epoch: Int. The 0-based epoch, or None to keep the current one.
         """
-        known = self.settings.flush_each_epoch and steps
-        self._epoch_steps = int(steps) if known else -1
-        if epoch is not None:
-            self.epoch = epoch
+        self._start_epoch_counts(steps, epoch)
         window = self.window
         if window is not None:
             window.steps_left_in_epoch.assign(self._epoch_steps)

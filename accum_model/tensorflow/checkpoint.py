@@ -25,7 +25,7 @@ from accum_model.core import checkpoint_layout as layout
 from accum_model.tensorflow import replicas
 from accum_model.tensorflow.tf_checkpoint import SavedInTfCheckpoints
 
-class WindowCheckpoint(SavedInTfCheckpoints):
+class WindowCheckpoint(SavedInTfCheckpoints, layout.RestoredWindow):
     """Saves and restores the window of an `Accumulation`.
 
     Args:
@@ -33,11 +33,8 @@ class WindowCheckpoint(SavedInTfCheckpoints):
     """
 
     def __init__(self, accumulation):
+        layout.RestoredWindow.__init__(self)
         self._accumulation = weakref.ref(accumulation)
-        # A restored window waiting for the model to build its own.
-        self._pending = None
-        # Micro steps of the window the last restore wrote (or holds).
-        self.restored_micro_steps = 0
 
     def _window(self):
         accumulation = self._accumulation()
@@ -69,32 +66,11 @@ class WindowCheckpoint(SavedInTfCheckpoints):
             [s.read_value().numpy() for s in window.statistics.sums],
         )
 
-    def restore_state(self, arrays):
-        """Restores the window saved as `arrays` (empty: no window open)."""
-        arrays = layout.read(arrays)
-        self.restored_micro_steps = int(layout.counter(arrays, "micro_steps"))
-        window = self._window()
-        if window is None:
-            self._pending = arrays
-            return
-        self._pending = None
-        _write(window, arrays, self._accumulation())
+    def _window_exists(self):
+        return self._window() is not None
 
-    def window_built(self, window):
-        """Writes a restored window into the window the model just built."""
-        if self._pending is not None:
-            arrays, self._pending = self._pending, None
-            _write(window, arrays, self._accumulation())
-
-    def pending_count(self, name):
-        """A counter of the restored window not yet written, else 0.
-
-        Args:
-            name: "micro_steps" or "skipped_windows".
-        """
-        if self._pending is None:
-            return 0
-        return int(layout.counter(self._pending, name))
+    def _write(self, arrays):
+        _write(self._window(), arrays, self._accumulation())
 
 
 def _write(window, arrays, accumulation):

@@ -93,17 +93,9 @@ def train_step(model, data, details):
 
 
 def default_micro_batch_weight(model, x, y_pred, details):
-    """What Keras divided the compiled loss by in this micro step (see
-    `AccumulatingModel.micro_batch_weight`), as a float32 scalar."""
-    if model._accumulation.weight_from_batch_size:
-        return tf.cast(divisor.batch_size(x, TF_SHAPES), tf.float32)
-    weight = divisor.micro_batch_weight(
-        getattr(model, "_traced_loss_reductions", []),
-        lambda: divisor.fallback_divisor(x, y_pred, details.get_keras_mask,
-                                         TF_SHAPES),
-        type(model).__name__, has_other_losses=bool(model.losses),
-    )
-    return tf.constant(1.0) if weight is divisor.SUM else weight
+    """What Keras divided this micro step's loss by (`divisor`)."""
+    return divisor.default_weight(model, x, y_pred, details.get_keras_mask,
+                                  TF_SHAPES)
 
 
 def accumulate_gradients(model, gradients, weight, batch_size=None):

@@ -1,0 +1,186 @@
+"""The window's life cycle, shared by every backend's `Accumulation`.
+
+What the model, its callbacks and users ask of an accumulation is the same
+on every backend: the settings in force and when they may change, the
+epoch, the micro steps an open window holds (or a restored file holds
+before the window exists), the loss of part of a window. A backend's
+`Accumulation` subclasses `WindowLifecycle` and answers the few questions
+only its state can: its counters (`_window_count`), its loss sums
+(`loss_totals`), whether its micro steps handed in their loss, and how
+its window takes a new length.
+"""
+
+import warnings
+
+from accum_model.core import arithmetic
+from accum_model.core.messages import window_is_open
+
+
+class WindowLifecycle:
+    """Settings, epochs and the questions every backend answers alike.
+
+    Args:
+        settings: The `Settings` to accumulate with.
+
+    Attributes:
+        settings: The `Settings` in force.
+        window: The backend's window, or None before training builds it.
+        loss_scaling: The compiled optimizer's duties (the adapter's
+            `LossScaling`), or None before training is set up.
+        checkpoint: The `WindowCheckpoint` that files carry, set by the
+            model (its class depends on the Keras and the backend).
+        epoch: Int. The 0-based epoch being trained.
+        weight_from_batch_size: Bool. Whether micro-batches are weighted by
+            their number of samples (a loss whose divisor is unknown).
+    """
+
+    def __init__(self, settings):
+        self.settings = settings
+        self.window = None
+        self.loss_scaling = None
+        self.checkpoint = None
+        self.epoch = 0
+        self.weight_from_batch_size = False
+        # Micro steps in the current epoch, or -1 when unknown or when
+        # windows carry across epochs.
+        self._epoch_steps = -1
+        self._warned = set()
+
+    def warn_once(self, message):
+        """Warns with `message` once for this model (later fits are quiet)."""
+        if message not in self._warned:
+            self._warned.add(message)
+            warnings.warn(message, stacklevel=5)
+
+    # Settings --------------------------------------------------------------
+
+    @property
+    def accumulates(self):
+        return self.settings.accumulates
+
+    def window_length(self):
+        """Int. Micro-batches per window in the current epoch."""
+        return self.settings.length_for_epoch(self.epoch)
+
+    def reconfigure(self, settings):
+        """Takes new settings, at a window boundary only.
+
+        Returns:
+            Whether the settings changed (the training step must be traced
+            anew if so).
+
+        Raises:
+            ValueError: A window is open and the settings differ.
+        """
+        if settings == self.settings:
+            return False
+        open_steps = self.open_micro_steps()
+        if open_steps:
+            changed = ", ".join(
+                f"{name}={value!r}"
+                for name, value in settings.as_dict().items()
+                if value != self.settings.as_dict()[name]
+            )
+            raise ValueError(
+                "The accumulation settings can only change at a window "
+                f"boundary, and the model has {window_is_open(open_steps)}. "
+                f"Received: {changed}"
+            )
+        self._check_settings(settings)
+        if (settings.accumulator_dtype != self.settings.accumulator_dtype
+                or settings.measure_noise_scale
+                != self.settings.measure_noise_scale):
+            # The next step builds the window anew, in the new dtype, with
+            # or without the noise scale.
+            self._forget_window()
+        self.settings = settings
+        if self.window is not None:
+            self._set_window_length(self.window_length())
+        return True
+
+    def _start_epoch_counts(self, steps, epoch):
+        """Notes the epoch and its micro steps (known only where windows end
+        with the epoch)."""
+        known = self.settings.flush_each_epoch and steps
+        self._epoch_steps = int(steps) if known else -1
+        if epoch is not None:
+            self.epoch = epoch
+
+    # What users read -------------------------------------------------------
+
+    def window_left_open(self):
+        """Micro-batches of an open window that no checkpoint restored.
+
+        Such a window was left by `train_on_batch` or a loop driven by hand
+        (or a `fit()` that raised); a window restored from a checkpoint is
+        one that training means to continue. Asking clears the restored
+        count: the next question is about what happens after it.
+        """
+        open_steps = self.open_micro_steps()
+        restored = self.checkpoint.restored_micro_steps
+        self.checkpoint.restored_micro_steps = 0
+        return 0 if open_steps == restored else open_steps
+
+    def open_micro_steps(self):
+        """Int. Micro-batches accumulated and not yet applied."""
+        if self.window is None:
+            return self.checkpoint.pending_count("micro_steps")
+        return self._window_count("micro_steps")
+
+    def skipped_windows(self):
+        """Int. Windows skipped because a gradient overflowed."""
+        if self.window is None:
+            return self.checkpoint.pending_count("skipped_windows")
+        return self._window_count("skipped_windows")
+
+    def loss_since(self, start):
+        """The loss of the micro-batches added since `start` (eagerly).
+
+        Weighted as their window weighs them: the loss of those
+        micro-batches as one batch, a part of the open window. Valid while
+        no window ended since `start` was read from `loss_totals()`.
+
+        Returns:
+            A float, or None where no micro step was added or none handed in
+            its loss (a `train_step` of the user's own logs its own).
+        """
+        if self.window is None or not self._tracks_loss():
+            return None
+        loss_sum, weight_sum, micro_steps = (
+            now - before for now, before in zip(self.loss_totals(), start)
+        )
+        if micro_steps <= 0:
+            return None
+        return arithmetic.loss_of_part(loss_sum, weight_sum,
+                                       self._divides_by_weight())
+
+    # What a backend answers ------------------------------------------------
+
+    def loss_totals(self):
+        """The open window's loss sum, weight sum (over replicas) and micro
+        steps, eagerly: zeros without a window."""
+        raise NotImplementedError
+
+    def _window_count(self, name):
+        """Int. The window's counter `name` ("micro_steps", ...)."""
+        raise NotImplementedError
+
+    def _tracks_loss(self):
+        """Whether micro steps hand in their loss."""
+        raise NotImplementedError
+
+    def _divides_by_weight(self):
+        """False for losses reduced with "sum" (the window is their sum)."""
+        raise NotImplementedError
+
+    def _check_settings(self, settings):
+        """Raises for settings the backend cannot carry (nothing here)."""
+        del settings
+
+    def _forget_window(self):
+        """Drops the window so that the next step builds it anew."""
+        self.window = None
+
+    def _set_window_length(self, length):
+        """Gives the window `length` from its next boundary (eagerly)."""
+        raise NotImplementedError
