@@ -35,9 +35,12 @@ class WindowCallback(keras.callbacks.Callback):
     @classmethod
     def added_to_fit_arguments(cls, model, args, kwargs):
         """Returns `fit()`'s arguments with the window callbacks added."""
-        arguments = inspect.signature(keras.Model.fit).bind(
-            model, *args, **kwargs
-        ).arguments
+        try:
+            arguments = inspect.signature(keras.Model.fit).bind(
+                model, *args, **kwargs
+            ).arguments
+        except TypeError as error:
+            raise TypeError(_fit_argument_error(error, kwargs)) from None
         del arguments["self"]
         window_callback = cls(model, arguments.get("epochs", 1))
         late_callback = _StoppedWindowCallback(window_callback)
@@ -168,3 +171,16 @@ class _StoppedWindowCallback(keras.callbacks.Callback):
             window_callback.log_window_loss(logs)
             window_callback.log_skipped_windows(logs)
             window_callback.log_noise_scale(logs)
+
+
+def _fit_argument_error(error, kwargs):
+    """Keras's own message for arguments `fit()` does not take, and where a
+    keyword of `compile()` belongs."""
+    compile_keywords = set(inspect.signature(keras.Model.compile).parameters)
+    misplaced = sorted(set(kwargs) & compile_keywords)
+    if not misplaced:
+        return f"fit() got arguments it does not take: {error}"
+    name = misplaced[0]
+    return (f"fit() got an unexpected keyword argument {name!r}: it is an "
+            f"argument of compile(). Received: {name}={kwargs[name]!r} in "
+            "fit()")

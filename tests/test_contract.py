@@ -500,3 +500,16 @@ def test_fit_before_compile_gives_keras_own_error():
     for model in (mlp(keras.Model), mlp(AccumulatingModel, n_gradients=2)):
         with pytest.raises(ValueError, match="compile"):
             model.fit(x, y, batch_size=8, verbose=0)
+
+
+@pytest.mark.parametrize("keyword", ["steps_per_execution", "jit_compile"])
+def test_a_compile_argument_given_to_fit_is_named_as_compiles(keyword):
+    x, y = regression_data(samples=16)
+    model = _compiled(n_gradients=2)
+    with pytest.raises(TypeError, match=f"'{keyword}': it is an argument "
+                                        r"of compile\(\)"):
+        model.fit(x, y, batch_size=8, verbose=0, **{keyword: 2})
+    with pytest.raises(TypeError, match="fit\\(\\) got arguments it does "
+                                        "not take.*unknown_argument"):
+        model.fit(x, y, batch_size=8, verbose=0, unknown_argument=2)
+    assert iterations(model) == 0
