@@ -6,6 +6,8 @@ the output folder. Not part of the test suite.
 Run: python benchmarks/run_benchmarks.py            (about 15 minutes, 2 cores)
      python benchmarks/run_benchmarks.py --quick    (a smoke run)
      python benchmarks/run_benchmarks.py --device gpu   (on a CUDA machine)
+     python benchmarks/run_benchmarks.py --backend jax --overhead-only
+         (the CPU table on Keras 3's JAX backend; results under jax/)
 
 `--device gpu` runs the GPU suite instead: a ResNet-50 on synthetic
 224x224 images, plain Keras at micro-batch b and at n*b against
@@ -27,15 +29,28 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# Keras reads its backend when imported: `--backend` is read first.
+BACKEND = (sys.argv[sys.argv.index("--backend") + 1]
+           if "--backend" in sys.argv else "tensorflow")
+os.environ["KERAS_BACKEND"] = BACKEND
+if BACKEND == "jax":
+    # One thread per op, as the TensorFlow runs below (see main()).
+    os.environ.setdefault(
+        "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
+        "intra_op_parallelism_threads=1")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+
+if BACKEND == "tensorflow":
+    import tensorflow as tf  # noqa: E402
 
 from accum_model import AccumulatingModel  # noqa: E402
 
 MICRO_BATCH = 32
 N_GRADIENTS = 4
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                           "results")
 
 
 # Models and data ------------------------------------------------------------
@@ -505,8 +520,7 @@ THREADS = []
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default=os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument("--intra-op-threads", type=int, default=1)
     parser.add_argument("--models", nargs="+",
                         default=["mlp", "cnn", "bn_cnn", "lstm"],
@@ -516,6 +530,10 @@ def main():
     parser.add_argument("--overhead-only", action="store_true",
                         help="skip the memory and window-cost parts")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
+    parser.add_argument("--backend", choices=("tensorflow", "jax"),
+                        default="tensorflow",
+                        help="the Keras 3 backend (read before Keras is "
+                             "imported)")
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                         help="gpu: the ResNet-50 suite on the first GPU")
     parser.add_argument("--gpu-micro-batch", type=int, default=64)
@@ -533,6 +551,11 @@ def main():
     if args.gpu_child:
         gpu_child(args.gpu_child)
         return
+    if args.backend == "jax" and args.out == DEFAULT_OUT:
+        args.out = os.path.join(DEFAULT_OUT, "jax")
+    if args.device == "gpu" and args.backend != "tensorflow":
+        sys.exit("--device gpu: the GPU suite runs on the TensorFlow backend "
+                 "only so far")
     if args.device == "gpu":
         gpus = tf.config.list_physical_devices("GPU")
         if not gpus:
@@ -548,11 +571,13 @@ def main():
         return
     # One intra-op thread: with TensorFlow's default pools, times on a
     # 2-core machine jump between two modes from one fit() to the next.
-    tf.config.threading.set_intra_op_parallelism_threads(
-        args.intra_op_threads
-    )
-    tf.config.threading.set_inter_op_parallelism_threads(1)
-    THREADS[:] = ["--intra-op-threads", str(args.intra_op_threads)]
+    if args.backend == "tensorflow":
+        tf.config.threading.set_intra_op_parallelism_threads(
+            args.intra_op_threads
+        )
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+    THREADS[:] = ["--intra-op-threads", str(args.intra_op_threads),
+                  "--backend", args.backend]
     if args.memory_child:
         memory_child(args.memory_child)
         return
@@ -562,8 +587,8 @@ def main():
     results = {
         "machine": (f"{platform.processor() or platform.machine()}, "
                     f"{os.cpu_count()} cores, Python "
-                    f"{platform.python_version()}, tensorflow "
-                    f"{tf.__version__}, keras {keras.__version__}, "
+                    f"{platform.python_version()}, {_backend_version()}, "
+                    f"keras {keras.__version__}, "
                     f"{args.intra_op_threads} intra-op thread(s)"),
         "command": "python " + " ".join(
             [os.path.relpath(__file__)] + sys.argv[1:]
@@ -582,6 +607,14 @@ def main():
     print("memory ...", flush=True)
     results["memory"] = memory(large_batch=64 if args.quick else 256, n=8)
     report(results, args.out)
+
+
+def _backend_version():
+    if BACKEND == "jax":
+        import jax
+
+        return f"jax {jax.__version__}"
+    return f"tensorflow {tf.__version__}"
 
 
 if __name__ == "__main__":
