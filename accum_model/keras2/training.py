@@ -7,6 +7,7 @@ to the steps left. Checked on tf_keras 2.21.0 / TF 2.21.0 with
 TF 2.13.1 (the Keras 2 tests, `tests/test_keras2.py`, in `.ci/matrix`).
 """
 
+import functools
 import sys
 import warnings
 
@@ -18,6 +19,7 @@ from accum_model.keras2 import normalization
 from accum_model.keras2.package import keras
 from accum_model.tensorflow import training as tf_training
 from accum_model.tensorflow.accumulation import Accumulation
+
 
 __all__ = ["Accumulation", "BACKEND", "END_OF_DATA_ERRORS", "ModelDifferences",
            "STEPS_PER_EXECUTION_FIX", "accumulate_gradients",
@@ -33,6 +35,7 @@ BACKEND = "tensorflow"
 
 # What a run of the train function raises when the data has run out.
 END_OF_DATA_ERRORS = (StopIteration, tf.errors.OutOfRangeError)
+
 
 STEPS_PER_EXECUTION_FIX = ""  # Keras 2 executions stop between steps.
 
@@ -66,20 +69,7 @@ def _warn_if_window_is_left_out(model, kind):
         )
 
 
-def replicas_in_sync(model):
-    """Int. Replicas the model trains on (its strategy's)."""
-    return model.distribute_strategy.num_replicas_in_sync
-
-
-def accumulating_train_step(model, data):
-    """One micro step (see `accum_model.tensorflow.training`)."""
-    return tf_training.train_step(model, data, _KERAS_DETAILS)
-
-
-def default_micro_batch_weight(model, x, y_pred):
-    """What Keras divided this micro step's loss by."""
-    return tf_training.default_micro_batch_weight(model, x, y_pred,
-                                                  _KERAS_DETAILS)
+replicas_in_sync = tf_training.replicas_in_sync
 
 
 accumulate_gradients = tf_training.accumulate_gradients
@@ -192,3 +182,9 @@ _KERAS_DETAILS = tf_training.KerasDetails(
     recording_batch_statistics=normalization.recording_batch_statistics,
     recording_loss_reductions=losses.recording_loss_reductions,
 )
+
+# The TensorFlow step and default weight, with this Keras's details.
+accumulating_train_step = functools.partial(tf_training.train_step,
+                                            details=_KERAS_DETAILS)
+default_micro_batch_weight = functools.partial(
+    tf_training.default_micro_batch_weight, details=_KERAS_DETAILS)

@@ -28,6 +28,7 @@ from accum_model.tensorflow import training as tf_training
 from accum_model.tensorflow.accumulation import Accumulation
 from accum_model.tensorflow.ops import TF_SHAPES
 
+
 __all__ = ["Accumulation", "END_OF_DATA_ERRORS", "ModelDifferences",
            "STEPS_PER_EXECUTION_FIX", "accumulate_gradients",
            "accumulating_train_step", "check_strategy",
@@ -39,12 +40,14 @@ __all__ = ["Accumulation", "END_OF_DATA_ERRORS", "ModelDifferences",
 
 END_OF_DATA_ERRORS = (StopIteration,)
 
+
 STEPS_PER_EXECUTION_FIX = (
     f"With keras {keras.__version__}, `steps_per_execution > 1` can run part "
     "of a training step when the data runs out inside an execution, which "
     "would leave a window half updated. Compile with steps_per_execution=1, "
     "or upgrade: pip install 'keras>=3.8'"
 )
+
 
 class ModelDifferences:
     """What the Keras 3 `AccumulatingModel` does unlike the Keras 2 one."""
@@ -57,22 +60,14 @@ class ModelDifferences:
             return super()._maybe_symbolic_build(iterator, data_batch)
         symbolic_build_from_local_batch(self, iterator)
 
+
 def check_strategy(model):
     """Refuses strategies whose variables live off-replica."""
     tf_training.check_strategy(model.distribute_strategy)
 
-def replicas_in_sync(model):
-    """Int. Replicas the model trains on (its strategy's)."""
-    return model.distribute_strategy.num_replicas_in_sync
 
-def accumulating_train_step(model, data):
-    """One micro step (see `accum_model.tensorflow.training`)."""
-    return tf_training.train_step(model, data, _KERAS_DETAILS)
+replicas_in_sync = tf_training.replicas_in_sync
 
-def default_micro_batch_weight(model, x, y_pred):
-    """What Keras divided this micro step's loss by."""
-    return tf_training.default_micro_batch_weight(model, x, y_pred,
-                                                  _KERAS_DETAILS)
 
 def executions_stop_cleanly_at_end_of_data():
     """Whether `steps_per_execution > 1` ends an epoch between steps.
@@ -86,6 +81,7 @@ def executions_stop_cleanly_at_end_of_data():
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
     return hasattr(TensorFlowTrainer, "_make_function")
+
 
 def symbolic_build_from_local_batch(model, iterator):
     """Builds model, compiled loss and metrics from the first local batch.
@@ -115,12 +111,14 @@ def symbolic_build_from_local_batch(model, iterator):
     with strategy.scope():
         model._symbolic_build(data_batch=tree.map_structure(local, batch))
 
+
 def _epoch_steps(epoch_iterator):
     """Steps of a Keras `EpochIterator`: iterable from keras 3.8 on, through
     `enumerate_epoch()` before."""
     if hasattr(epoch_iterator, "__iter__"):
         return iter(epoch_iterator)
     return epoch_iterator.enumerate_epoch()
+
 
 def logs_for_reduction(logs, strategy):
     """Shapes `train_step` logs so that Keras can reduce them over workers.
@@ -142,11 +140,13 @@ def logs_for_reduction(logs, strategy):
         for name, value in logs.items()
     }
 
+
 def foreign_variables_in_graph(model):
     """Nothing to find: a Keras 2 layer called on a Keras 3 symbolic tensor
     raises while the graph is built (keras 3.15.1 with tf_keras 2.21)."""
     del model
     return []
+
 
 def is_foreign_layer(value):
     """Whether `value` is a Keras 2 layer, whose weights Keras 3 does not see.
@@ -158,6 +158,7 @@ def is_foreign_layer(value):
     return (isinstance(value, tf.Module)
             and hasattr(value, "trainable_weights")
             and not isinstance(value, keras.layers.Layer))
+
 
 accumulate_gradients = tf_training.accumulate_gradients
 
@@ -174,3 +175,9 @@ _KERAS_DETAILS = tf_training.KerasDetails(
     recording_loss_reductions=functools.partial(
         losses.recording_loss_reductions, TF_SHAPES),
 )
+
+# The TensorFlow step and default weight, with this Keras's details.
+accumulating_train_step = functools.partial(tf_training.train_step,
+                                            details=_KERAS_DETAILS)
+default_micro_batch_weight = functools.partial(
+    tf_training.default_micro_batch_weight, details=_KERAS_DETAILS)

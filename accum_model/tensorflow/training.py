@@ -109,6 +109,11 @@ def accumulate_gradients(model, gradients, weight, batch_size=None):
     accumulation.add_micro_step(list(gradients), weight, batch_size)
 
 
+def replicas_in_sync(model):
+    """Int. Replicas the model trains on (its strategy's)."""
+    return model.distribute_strategy.num_replicas_in_sync
+
+
 def check_strategy(strategy):
     """Refuses distribution strategies whose variables live off-replica."""
     unsupported = (
