@@ -447,3 +447,28 @@ def test_window_overflows_where_the_large_batchs_float16_sum_does(
     assert float(model.optimizer.dynamic_scale.numpy()) == float(
         plain.optimizer.dynamic_scale.numpy())
     assert max_weight_difference(plain, model) <= 1e-5
+
+
+def test_loss_scaling_compiled_after_a_first_fit_checks_the_float16_sum():
+    # The window built by a fit without loss scaling is kept; recompiled
+    # with a LossScaleOptimizer, the window end must still skip where the
+    # large batch's float16 gradient sum overflows.
+    x, y = _scaled_data(20.0)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        plain = _two_relu_layers(keras.Model)
+        plain.compile(optimizer=keras.optimizers.SGD(1e-7), loss="mse")
+        plain.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        model = _two_relu_layers(AccumulatingModel, n_gradients=4)
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse",
+                      auto_scale_loss=False)
+        model.fit(x[:32], y[:32], batch_size=8, epochs=1, shuffle=False,
+                  verbose=0)
+        model.compile(optimizer=keras.optimizers.SGD(1e-7), loss="mse")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert 16 - iterations(plain) > 0
+    assert model.skipped_windows == 16 - iterations(plain)
+    assert iterations(model) == iterations(plain)
+    assert max_weight_difference(plain, model) <= 1e-5

@@ -232,11 +232,9 @@ class Accumulation(WindowLifecycle):
         if not variables:
             # What Keras's own TensorFlow step says; nothing is updated.
             warnings.warn("The model does not have any trainable weights.")
-        if self.window is not None and self.window.matches(variables):
-            return
-        self.window = _Window(variables, _empty_state(
-            variables, self.settings.accumulator_dtype, self.window_length(),
-            self._epoch_steps))
+        # What the window end needs to know of the variables follows the
+        # compiled optimizer (a recompile may add loss scaling to a window
+        # that is kept).
         self._apply_open = None
         self.overwrite = [is_overwritten_with_gradient(v) for v in variables]
         self.float16_flags = [
@@ -245,6 +243,11 @@ class Accumulation(WindowLifecycle):
                 if self.loss_scaling is not None and self.loss_scaling.active
                 and self._float16_gradients is not None
                 else [False] * len(variables), self.overwrite)]
+        if self.window is not None and self.window.matches(variables):
+            return
+        self.window = _Window(variables, _empty_state(
+            variables, self.settings.accumulator_dtype, self.window_length(),
+            self._epoch_steps))
         self.checkpoint.window_built()
 
     def write_window(self, arrays):
