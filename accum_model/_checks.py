@@ -8,6 +8,7 @@ model's MRO is found by `class_tree.accumulating_base`.
 """
 
 import difflib
+import math
 import warnings
 
 from accum_model._chooser import adapter
@@ -103,6 +104,50 @@ def check_float8_on_one_replica(model):
             "one replica only. Received: "
             f"{replicas} replicas and variables {overwritten[:3]}"
         )
+
+
+def check_micro_batches_split_evenly(fit_arguments):
+    """Refuses array data whose micro-batches the devices cannot share
+    equally (JAX's `keras.distribution` cuts each batch into equal parts;
+    plain Keras fails on such a batch too, but only when it comes).
+
+    Args:
+        fit_arguments: `fit()`'s arguments by name.
+    """
+    ways = adapter.batch_split_ways()
+    samples = _samples_in(fit_arguments.get("x"))
+    if ways == 1 or samples is None:
+        return
+    validation_split = fit_arguments.get("validation_split") or 0.0
+    if validation_split:
+        samples = int(math.floor(samples * (1.0 - validation_split)))
+    batch_size = fit_arguments.get("batch_size") or 32
+    last = samples % batch_size
+    uneven = [size for size in (batch_size, last) if size % ways]
+    if not uneven:
+        return
+    if batch_size % ways:
+        problem = f"batch_size={batch_size} is not a multiple of {ways}"
+    else:
+        problem = (f"{samples} training samples in micro-batches of "
+                   f"{batch_size} leave a last micro-batch of {last}")
+    raise ValueError(
+        f"The distribution splits each micro-batch equally across its {ways} "
+        f"devices, and {problem}. Pass a `batch_size` that is a multiple of "
+        f"{ways}, and a number of training samples whose remainder after "
+        f"dividing by `batch_size` is a multiple of {ways} too (or drop the "
+        f"last samples). Received: batch_size={batch_size}, "
+        f"samples={samples}")
+
+
+def _samples_in(x):
+    """The number of samples in array data, or None for other data."""
+    for value in flatten(x):
+        shape = getattr(value, "shape", None)
+        if shape is not None and len(shape) > 0 and shape[0] is not None:
+            return int(shape[0])
+        return None
+    return None
 
 
 def check_steps_per_execution(model):

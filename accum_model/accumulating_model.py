@@ -323,6 +323,7 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
             )
         self._check_ready_to_accumulate()
         args, kwargs = WindowCallback.added_to_fit_arguments(self, args, kwargs)
+        _checks.check_micro_batches_split_evenly(kwargs)
         return super().fit(*args, **kwargs)
 
     def _check_ready_to_accumulate(self):

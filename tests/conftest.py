@@ -33,6 +33,12 @@ if len(set(_TENSORFLOWS.values())) > 1:
         "&& python -m pytest"
     )
 
+# On JAX, two CPU devices for `keras.distribution` (read when JAX starts).
+if "xla_force_host_platform_device_count" not in os.environ.get(
+        "XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=2")
+
 import keras  # noqa: E402
 
 from backends import ON_TENSORFLOW  # noqa: E402
@@ -59,12 +65,20 @@ def float32_policy():
 
 @pytest.fixture(scope="session")
 def two_replicas():
-    """A MirroredStrategy over the two logical CPU devices.
+    """Two replicas: a MirroredStrategy over the two logical CPU devices on
+    TensorFlow, `keras.distribution.DataParallel` over two CPU devices on
+    JAX. Build, compile and fit inside its `scope()`.
 
     One instance serves the whole session: with a new strategy per test,
     a later test's collective ops failed with "Shape mismatch in the
     collective instance" against an earlier test's gradient shapes.
     """
     if not ON_TENSORFLOW:
-        pytest.skip("TensorFlow backend only: MirroredStrategy")
+        import jax
+
+        devices = jax.devices()
+        if len(devices) < 2:
+            pytest.skip("needs two JAX devices (XLA_FLAGS="
+                        "--xla_force_host_platform_device_count=2)")
+        return keras.distribution.DataParallel(devices=devices[:2])
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])

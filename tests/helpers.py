@@ -1,5 +1,8 @@
 """Models, data and comparisons shared by the tests."""
 
+import contextlib
+import re
+
 import keras
 import numpy as np
 
@@ -87,8 +90,10 @@ def fit_both(build, make_optimizer, x, y, micro_batch, n_gradients,
             accumulating.compile(optimizer=make_optimizer(), loss=loss,
                                  **compile_kwargs)
     accumulating.set_weights(build(keras.Model).get_weights())
-    accumulating.fit(x, y, batch_size=micro_batch, epochs=epochs,
-                     shuffle=False, verbose=0, **fit_kwargs)
+    with (strategy.scope() if strategy is not None
+          else contextlib.nullcontext()):
+        accumulating.fit(x, y, batch_size=micro_batch, epochs=epochs,
+                         shuffle=False, verbose=0, **fit_kwargs)
     return plain, accumulating
 
 
@@ -160,6 +165,39 @@ def collective_reductions(graph_def, num_replicas):
 
     visit(graph_def.node, False)
     return {k: v / num_replicas for k, v in counts.items()}
+
+
+def compiled_jax_step(model, distribution, x, y, batch_size=8):
+    """The optimised HLO text of one JAX training step under
+    `distribution`, compiled as Keras's `fit()` compiles it."""
+    import jax
+    from keras.src.backend.jax.trainer import _distribute_data
+
+    with distribution.scope():
+        # One epoch builds the model, its optimizer and the window.
+        model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False,
+                  verbose=0)
+        state = model._get_jax_state(
+            trainable_variables=True, non_trainable_variables=True,
+            optimizer_variables=True, metrics_variables=True)
+        data = _distribute_data((x[:batch_size], y[:batch_size]))
+        step = jax.jit(model.train_step,
+                       out_shardings=(None, model._get_state_sharding_spec()))
+        return step.lower(state, data).compile().as_text()
+
+
+def jax_all_reduces(hlo_text):
+    """Counts all-reduce instructions in the entry computation (run every
+    step) and in the computations it calls (the window end's branch)."""
+    counts = {"every_step": 0, "conditional": 0}
+    place = None
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            place = ("every_step" if line.startswith("ENTRY")
+                     else "conditional")
+        elif re.search(r"\sall-reduce(-start)?\(", line):
+            counts[place] += 1
+    return counts
 
 
 def numpy_of(value):

@@ -38,13 +38,26 @@ def test_importing_on_jax_imports_no_tensorflow():
 
 
 @jax_only
-def test_a_distribution_is_refused_by_name():
+def test_a_distribution_of_ones_own_is_refused_by_name():
+    # DataParallel and ModelParallel are tested in test_distribution.py.
+    from keras.src.distribution.distribution_lib import Distribution
+
+    class OwnDistribution(Distribution):
+        def get_data_layout(self, data_shape):
+            raise AssertionError("never reached")
+
+        get_variable_layout = get_tensor_layout = get_data_layout
+        distribute_dataset = get_data_layout
+
     x, y = regression_data(samples=16)
     model = mlp(AccumulatingModel, n_gradients=2)
     model.compile(optimizer="sgd", loss="mse")
-    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    keras.distribution.set_distribution(
+        OwnDistribution(keras.distribution.DeviceMesh(
+            (1,), ["batch"], devices=keras.distribution.list_devices()[:1])))
     try:
-        with pytest.raises(ValueError, match="set_distribution"):
+        with pytest.raises(ValueError,
+                           match="OwnDistribution is not supported"):
             model.fit(x, y, batch_size=8, verbose=0)
     finally:
         keras.distribution.set_distribution(None)

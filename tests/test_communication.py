@@ -1,15 +1,23 @@
-"""What crosses replicas: nothing per micro step, one reduction per window
-(counted in the traced training step, as `fit()` runs it)."""
+"""What crosses devices, counted in the training step as `fit()` runs it.
+
+TensorFlow (MirroredStrategy): nothing per micro step, one reduction per
+window. JAX (`keras.distribution.DataParallel`): XLA reduces the gradient
+where it computes it, on every micro step as for plain Keras's step, and
+the window end adds nothing.
+"""
 
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from accum_model import AccumulatingModel
 from accum_model import _chooser
 from helpers import batch_norm_mlp
+from backends import ON_TENSORFLOW
+from backends import tensorflow_only
 from helpers import collective_reductions
+from helpers import compiled_jax_step
+from helpers import jax_all_reduces
 from helpers import iterations
 from helpers import max_weight_difference
 from helpers import mlp
@@ -17,6 +25,8 @@ from helpers import regression_data
 from helpers import traced_step
 
 ONE_PER_WINDOW = {"every_step": 0, "conditional": 1}
+
+tensorflow_graph = tensorflow_only("counted in TensorFlow's traced graph")
 
 
 # name -> (model builder, optimizer keywords, model keywords)
@@ -42,6 +52,7 @@ def _compiled(strategy, build, optimizer_keywords, model_keywords,
     return model
 
 
+@tensorflow_graph
 @pytest.mark.filterwarnings("ignore:BatchNormalization layers")
 @pytest.mark.parametrize("name", sorted(CONFIGURATIONS))
 def test_one_reduction_per_window(two_replicas, name):
@@ -55,6 +66,7 @@ def test_one_reduction_per_window(two_replicas, name):
     assert counts == ONE_PER_WINDOW
 
 
+@tensorflow_graph
 def test_one_reduction_per_window_under_loss_scaling(two_replicas):
     # The finiteness verdict of every replica rides in the same reduction.
     x, y = regression_data(samples=64)
@@ -70,6 +82,7 @@ def test_one_reduction_per_window_under_loss_scaling(two_replicas):
     assert counts == ONE_PER_WINDOW
 
 
+@tensorflow_graph
 def test_plain_keras_reduces_on_every_micro_step_and_windows_once(
         two_replicas):
     x, y = regression_data(samples=64)
@@ -85,6 +98,7 @@ def test_plain_keras_reduces_on_every_micro_step_and_windows_once(
     assert iterations(model) == 2
 
 
+@tensorflow_graph
 def test_a_window_ended_early_or_restored_reduces_once(two_replicas,
                                                        tmp_path):
     # A window that ends before it is full (the end of an epoch or of
@@ -111,6 +125,7 @@ def test_a_window_ended_early_or_restored_reduces_once(two_replicas,
     assert counts == {"every_step": 1, "conditional": 1}
 
 
+@tensorflow_graph
 def test_without_the_optimizer_hook_two_reductions_stay_exact(
         two_replicas, monkeypatch):
     # Where the optimizer cannot be kept from summing over replicas, the
@@ -134,6 +149,7 @@ def test_without_the_optimizer_hook_two_reductions_stay_exact(
     assert np.all(np.isfinite(model.get_weights()[0]))
 
 
+@tensorflow_graph
 def test_windows_carried_over_epochs_count_micro_steps_with_one_scalar(
         two_replicas):
     # With flush_each_epoch=False an empty step at the end of the data would
@@ -145,3 +161,30 @@ def test_windows_carried_over_epochs_count_micro_steps_with_one_scalar(
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     counts = collective_reductions(traced_step(model, two_replicas, x, y), 2)
     assert counts == {"every_step": 1, "conditional": 1}
+
+
+@pytest.mark.skipif(ON_TENSORFLOW, reason="JAX's DataParallel only")
+@pytest.mark.filterwarnings("ignore:BatchNormalization layers")
+@pytest.mark.parametrize("name", sorted(CONFIGURATIONS))
+def test_data_parallel_reduces_as_plain_keras_each_micro_step(two_replicas,
+                                                              name):
+    if name == "float64_accumulators":
+        pytest.skip("float64 on JAX needs jax_enable_x64, refused otherwise "
+                    "(tests/test_backends.py)")
+    build, optimizer_keywords, model_keywords = CONFIGURATIONS[name]
+    x, y = regression_data(samples=64)
+    with two_replicas.scope():
+        plain = build(keras.Model)
+        plain.compile(optimizer=keras.optimizers.SGD(0.1,
+                                                     **optimizer_keywords),
+                      loss="mse")
+    model = _compiled(two_replicas, build, optimizer_keywords,
+                      model_keywords)
+    plain_counts = jax_all_reduces(compiled_jax_step(plain, two_replicas,
+                                                     x, y))
+    counts = jax_all_reduces(compiled_jax_step(model, two_replicas, x, y))
+    # XLA combines the gradients (and the loss) into one all-reduce per
+    # step; the window end, in its own branch, reduces nothing more.
+    assert plain_counts["every_step"] >= 1
+    assert counts == {"every_step": plain_counts["every_step"],
+                      "conditional": 0}

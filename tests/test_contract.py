@@ -445,6 +445,8 @@ def test_activity_penalty_with_a_masked_output_is_warned_about():
         model.fit(x, y, batch_size=8, verbose=0)
 
 
+@tensorflow_only("JAX's DataParallel runs float8 as one program "
+                 "(test_mixed_precision.py)")
 def test_float8_under_two_replicas_is_refused(two_replicas):
     x, y = regression_data(samples=16)
     with two_replicas.scope():

@@ -1,9 +1,13 @@
-"""Two replicas (MirroredStrategy on two logical CPUs) equal one device."""
+"""Two replicas equal one device with the large batch: MirroredStrategy on
+two logical CPUs (TensorFlow), `keras.distribution.DataParallel` on two CPU
+devices (JAX)."""
 
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+
+from backends import ON_TENSORFLOW
+from backends import tensorflow_only
 
 from accum_model import AccumulatingModel
 from helpers import BatchMeanLoss
@@ -35,6 +39,8 @@ def test_two_replicas_match_one_device_large_batch(name, two_replicas):
     assert max_weight_difference(plain, accumulating) <= TOLERANCE
 
 
+@tensorflow_only("a MirroredStrategy splits a batch unevenly (JAX's "
+                 "DataParallel refuses: tested below)")
 def test_uneven_split_across_replicas(two_replicas):
     # The last micro-batch (3 samples) splits 2 + 1: each replica divides its
     # loss by its own sample count, which the window weighting undoes.
@@ -47,6 +53,7 @@ def test_uneven_split_across_replicas(two_replicas):
     assert max_weight_difference(plain, accumulating) <= TOLERANCE
 
 
+@tensorflow_only("a MirroredStrategy splits a batch unevenly")
 def test_every_micro_batch_split_unevenly(two_replicas):
     # Micro-batches of 7 split 4 + 3, from the first one on (plain Keras
     # 3.15.1 cannot even build from such a first batch under the strategy).
@@ -57,6 +64,62 @@ def test_every_micro_batch_split_unevenly(two_replicas):
     )
     assert iterations(accumulating) == iterations(plain) == 7
     assert max_weight_difference(plain, accumulating) <= TOLERANCE
+
+
+@pytest.mark.skipif(ON_TENSORFLOW, reason="JAX's DataParallel only")
+@pytest.mark.parametrize("samples, batch_size", [(99, 8), (98, 7)])
+def test_data_parallel_refuses_micro_batches_it_cannot_split_equally(
+        two_replicas, samples, batch_size):
+    # Plain Keras fails on such a micro-batch only when it comes, after
+    # some updates; the window is refused before the first.
+    x, y = regression_data(samples=samples)
+    with two_replicas.scope():
+        model = mlp(AccumulatingModel, n_gradients=4)
+        model.compile(optimizer=OPTIMIZERS["sgd"](), loss="mse")
+        before = model.get_weights()
+        with pytest.raises(ValueError, match="multiple of 2.*batch_size"):
+            model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)
+    assert iterations(model) == 0
+    for old, new in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(old, new)
+
+
+@pytest.mark.skipif(ON_TENSORFLOW, reason="JAX's ModelParallel only")
+def test_model_parallel_matches_one_device_large_batch():
+    # Each kernel is cut across the two devices; the window's gradient sums
+    # are laid out as their variables.
+    import jax
+
+    devices = jax.devices()
+    if len(devices) < 2:
+        pytest.skip("needs two JAX devices")
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
+                                         devices=devices[:2])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["hidden/kernel"] = (None, "model")
+    layout_map["head/kernel"] = ("model", None)
+    distribution = keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch")
+
+    def build(model_class, **kwargs):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((6,))
+        hidden = keras.layers.Dense(8, activation="tanh",
+                                    name="hidden")(inputs)
+        outputs = keras.layers.Dense(3, name="head")(hidden)
+        return model_class(inputs=inputs, outputs=outputs, **kwargs)
+
+    x, y = regression_data(samples=100)
+    plain, accumulating = fit_both(
+        build, OPTIMIZERS["adam_global_clipnorm"], x, y, micro_batch=8,
+        n_gradients=4, epochs=2, strategy=distribution)
+    assert iterations(accumulating) == iterations(plain) == 8
+    assert max_weight_difference(plain, accumulating) <= TOLERANCE
+    specs = [tuple(total.sharding.spec) for total in
+             accumulating._accumulation.window.state.gradient_sums]
+    assert specs == [tuple(v.value.sharding.spec)
+                     for v in accumulating.trainable_variables]
+    assert (None, "model") in specs
 
 
 def test_masked_sequences_with_different_valid_counts_per_replica(
@@ -71,7 +134,9 @@ def test_masked_sequences_with_different_valid_counts_per_replica(
         accumulating.compile(optimizer=OPTIMIZERS["sgd"](), loss=loss)
     accumulating.set_weights(plain.get_weights())
     plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-    accumulating.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    with two_replicas.scope():
+        accumulating.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                         verbose=0)
     assert max_weight_difference(plain, accumulating) <= TOLERANCE
 
 
@@ -94,11 +159,13 @@ def test_subclassed_model_under_two_replicas(two_replicas):
     with two_replicas.scope():
         accumulating = SubclassedNet(n_gradients=4)
         accumulating.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
-    accumulating.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        accumulating.fit(x, y, batch_size=8, epochs=1, shuffle=False,
+                         verbose=0)
     assert iterations(accumulating) == 2
     assert np.all(np.isfinite(accumulating.get_weights()[0]))
 
 
+@tensorflow_only("tf.distribute's datasets from a function")
 @pytest.mark.parametrize("flush_each_epoch", [True, False])
 def test_datasets_from_a_function_match_one_device(two_replicas,
                                                    flush_each_epoch):
@@ -108,6 +175,8 @@ def test_datasets_from_a_function_match_one_device(two_replicas,
     # no micro step: no NaN, no extra update, no shifted window.
     x, y = regression_data(samples=80)
     micro = [list(range(i, i + 8)) for i in range(0, 80, 8)]
+
+    import tensorflow as tf
 
     def dataset_fn(context):
         return tf.data.Dataset.from_tensor_slices((x, y)).batch(
@@ -161,8 +230,9 @@ def test_losses_keras_leaves_undivided_match_one_device(two_replicas, shape):
         model.compile(optimizer=OPTIMIZERS["sgd"](), loss=loss)
     model.set_weights(plain.get_weights())
     plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
-                        verbose=0)
+    with two_replicas.scope():
+        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                            verbose=0)
     assert iterations(model) == iterations(plain) == 6
     assert max_weight_difference(plain, model) <= TOLERANCE
     # The reported loss is one device's too, not twice it. Before keras 3.8
@@ -180,10 +250,13 @@ def test_losses_keras_leaves_undivided_match_one_device(two_replicas, shape):
                                one_device_history.history["loss"], rtol=1e-5)
 
 
+@tensorflow_only("tf.distribute strategies")
 @pytest.mark.parametrize("kind", ["mirrored_one_device", "one_device"])
 def test_strategies_over_one_device_match_the_large_batch(kind):
     # A strategy with a single replica has nothing to reduce: the window
     # end uses its sums as they are, in either context.
+    import tensorflow as tf
+
     strategy = (tf.distribute.MirroredStrategy(["/cpu:0"])
                 if kind == "mirrored_one_device"
                 else tf.distribute.OneDeviceStrategy("/cpu:0"))

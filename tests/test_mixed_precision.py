@@ -12,6 +12,7 @@ from helpers import fit_both
 from helpers import iterations
 from helpers import max_weight_difference
 from helpers import mlp
+from helpers import numpy_of
 from helpers import regression_data
 
 if ON_TENSORFLOW:
@@ -335,6 +336,25 @@ def test_float8_statistics_take_the_windows_largest_value():
                             keras_accumulation.trainable_variables):
         np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-5,
                                    atol=1e-6)
+
+
+@pytest.mark.skipif(ON_TENSORFLOW, reason="JAX's DataParallel only")
+def test_float8_under_data_parallel_matches_one_device(two_replicas):
+    # The step is one program over both devices: the statistics' window
+    # maximum is the whole micro-batch's, as on one device.
+    x, y = regression_data(samples=64)
+    one_device = _float8(AccumulatingModel, n_gradients=4)
+    one_device.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    one_device.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    with two_replicas.scope():
+        model = _float8(AccumulatingModel, n_gradients=4)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert iterations(model) == iterations(one_device) == 2
+    for ours, theirs in zip(model.trainable_variables,
+                            one_device.trainable_variables):
+        np.testing.assert_allclose(numpy_of(ours), numpy_of(theirs),
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_float8_under_mixed_float16_is_never_scaled():

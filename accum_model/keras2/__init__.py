@@ -37,6 +37,7 @@ from accum_model.keras2.training import replicas_in_sync
 from accum_model.keras2.training import STEPS_PER_EXECUTION_FIX
 from accum_model.keras2.training import ModelDifferences
 from accum_model.keras2.training import check_strategy
+from accum_model.keras2.training import batch_split_ways
 from accum_model.keras2.training import executions_stop_cleanly_at_end_of_data
 from accum_model.keras2.training import foreign_variables_in_graph
 from accum_model.keras2.training import is_foreign_layer
@@ -58,6 +59,7 @@ __all__ = [
     "WindowCheckpoint",
     "accumulate_gradients",
     "accumulating_train_step",
+    "batch_split_ways",
     "check_optimizer",
     "check_strategy",
     "clones_through_constructor",

@@ -43,6 +43,7 @@ if BACKEND == "jax":
     from accum_model.keras3.jax_window import WindowCheckpoint
     from accum_model.keras3.jax_training import accumulate_gradients
     from accum_model.keras3.jax_training import accumulating_train_step
+    from accum_model.keras3.jax_training import batch_split_ways
     from accum_model.keras3.jax_training import check_strategy
     from accum_model.keras3.jax_training import default_micro_batch_weight
     from accum_model.keras3.jax_training import (
@@ -68,6 +69,7 @@ else:
     from accum_model.keras3.tensorflow_training import accumulate_gradients
     from accum_model.keras3.tensorflow_training import (
         accumulating_train_step)
+    from accum_model.keras3.tensorflow_training import batch_split_ways
     from accum_model.keras3.tensorflow_training import check_strategy
     from accum_model.keras3.tensorflow_training import (
         default_micro_batch_weight)
@@ -91,6 +93,7 @@ __all__ = [
     "WindowCheckpoint",
     "accumulate_gradients",
     "accumulating_train_step",
+    "batch_split_ways",
     "check_optimizer",
     "check_strategy",
     "clones_through_constructor",

@@ -18,8 +18,13 @@ ever runs on an empty batch; the window still open at an epoch's end is
 applied eagerly by the window callback, after Keras has written the state
 back into the variables.
 
-Not yet on JAX (each refused by name before training):
-`keras.distribution`, float64 accumulators without `jax_enable_x64`, and
+Under `keras.distribution` (`DataParallel`, `ModelParallel`) the step is
+one program over the sharded micro-batch, as Keras's own: the window's
+gradient sums are laid out as their variables and XLA reduces the gradient
+across devices where it computes it, on every micro step.
+
+Not yet on JAX (each refused by name before training): another
+`keras.distribution.Distribution`, float64 accumulators without `jax_enable_x64`, and
 `accumulate_gradients` (a stateless step of the user's own).
 BatchNormalization layers move their moving statistics per micro-batch
 (`fit()` warns). The open
@@ -28,7 +33,7 @@ window is saved in Keras files, laid out as on TensorFlow.
 Private Keras members used, checked on keras 3.15.1 with jax 0.10.2:
 `_get_jax_state`, `jax_state_sync`, `_jax_state`, `_jax_state_synced`,
 `stateless_call`, `stateless_compute_loss`, `_losses_override`,
-`_call_has_training_arg`, `_loss_tracker`.
+`_call_has_training_arg`, `_loss_tracker`, `_get_state_sharding_spec`.
 """
 
 import contextlib
@@ -47,7 +52,7 @@ from accum_model.keras3.jax_window import JAX_SHAPES
 from accum_model.keras3.jax_window import end_window
 
 __all__ = ["END_OF_DATA_ERRORS", "ModelDifferences", "STEPS_PER_EXECUTION_FIX",
-           "accumulate_gradients", "accumulating_train_step",
+           "accumulate_gradients", "accumulating_train_step", "batch_split_ways",
            "check_strategy", "default_micro_batch_weight",
            "executions_stop_cleanly_at_end_of_data",
            "foreign_variables_in_graph", "is_foreign_layer",
@@ -213,6 +218,13 @@ class ModelDifferences:
                        non_trainable_variables=False,
                        optimizer_variables=False, metrics_variables=False,
                        purge_model_variables=False):
+        window = self._accumulation.window
+        window_sharding = None
+        if (window is not None
+                and keras.distribution.distribution() is not None):
+            # Read before Keras purges the variables' values.
+            window_sharding = window.sharding(
+                v.value.sharding for v in self.trainable_variables)
         state = super()._get_jax_state(
             trainable_variables=trainable_variables,
             non_trainable_variables=non_trainable_variables,
@@ -220,14 +232,30 @@ class ModelDifferences:
             metrics_variables=metrics_variables,
             purge_model_variables=purge_model_variables,
         )
-        window = self._accumulation.window
         if (optimizer_variables and self._accumulation.accumulates
                 and window is not None):
             index = int(trainable_variables) + int(non_trainable_variables)
+            window_state = window.state
+            if window_sharding is not None:
+                # Laid out as the step returns it: Keras donates the state,
+                # and XLA aliases an input only to an output of its layout.
+                window_state = jax.device_put(window_state, window_sharding)
             state = list(state)
-            state[index] = list(state[index]) + [window.state]
+            state[index] = list(state[index]) + [window_state]
             state = tuple(state)
         return state
+
+    def _get_state_sharding_spec(self):
+        # Under `keras.distribution` Keras jits the step with the state's
+        # shardings as `out_shardings`: the window's follow the variables'.
+        shardings = super()._get_state_sharding_spec()
+        window = self._accumulation.window
+        if not (self._accumulation.accumulates and window is not None
+                and self.optimizer is not None):
+            return shardings
+        trainable, non_trainable, optimizer, metrics = shardings
+        return (trainable, non_trainable,
+                list(optimizer) + [window.sharding(trainable)], metrics)
 
     def jax_state_sync(self):
         jax_state = getattr(self, "_jax_state", None)
@@ -244,17 +272,31 @@ class ModelDifferences:
 
 
 def check_strategy(model):
-    """Refuses `keras.distribution` (one device on JAX for now)."""
+    """Refuses a `keras.distribution` other than Keras's data and model
+    parallelism."""
     del model
     distribution = keras.distribution.distribution()
-    if distribution is not None:
-        raise ValueError(
-            "AccumulatingModel trains on one device on JAX for now, and "
-            f"{type(distribution).__name__} is set "
-            f"(keras.distribution.set_distribution); several devices "
-            f"train {_NOT_YET}, or call "
-            "keras.distribution.set_distribution(None). Received: "
-            f"distribution={type(distribution).__name__}")
+    if distribution is None or isinstance(distribution, (
+            keras.distribution.DataParallel,
+            keras.distribution.ModelParallel)):
+        return
+    raise ValueError(
+        "AccumulatingModel trains on JAX on one device or under "
+        "keras.distribution.DataParallel or ModelParallel; "
+        f"{type(distribution).__name__} is not supported. Use one of those, "
+        "or train on one device (keras.distribution.set_distribution(None))."
+        f" Received: distribution={type(distribution).__name__}")
+
+
+def batch_split_ways():
+    """Int. How many equal parts `keras.distribution` cuts each batch into
+    (the devices along its batch axis; 1 without a distribution)."""
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return 1
+    mesh = distribution.device_mesh
+    return int(dict(zip(mesh.axis_names, mesh.shape)).get(
+        distribution.batch_dim_name, 1))
 
 
 def replicas_in_sync(model):

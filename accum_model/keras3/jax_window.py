@@ -336,10 +336,32 @@ class _Window:
         self.trainable_variables = trainable_variables
         self.state = state
 
+    def sharding(self, trainable_shardings):
+        """The window's shardings under `keras.distribution`: each gradient
+        sum is laid out as its variable, every counter replicated."""
+        trainable_shardings = list(trainable_shardings)
+        replicated = _replicated_like(
+            trainable_shardings[0] if trainable_shardings else None)
+        return jax.tree.map(lambda _: replicated, self.state)._replace(
+            gradient_sums=[
+                sharding if total.ndim else replicated
+                for sharding, total in zip(trainable_shardings,
+                                           self.state.gradient_sums)])
+
     def matches(self, trainable_variables):
         current = list(trainable_variables)
         return len(current) == len(self.trainable_variables) and all(
             a is b for a, b in zip(current, self.trainable_variables))
+
+
+def _replicated_like(sharding):
+    """A sharding that keeps a whole copy on each device of `sharding`'s."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh,
+                                          jax.sharding.PartitionSpec())
+    if sharding is None:
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return sharding
 
 
 def _check_settings(settings):

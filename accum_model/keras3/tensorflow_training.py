@@ -31,7 +31,7 @@ from accum_model.tensorflow.ops import TF_SHAPES
 
 __all__ = ["Accumulation", "END_OF_DATA_ERRORS", "ModelDifferences",
            "STEPS_PER_EXECUTION_FIX", "accumulate_gradients",
-           "accumulating_train_step", "check_strategy",
+           "accumulating_train_step", "batch_split_ways", "check_strategy",
            "default_micro_batch_weight",
            "executions_stop_cleanly_at_end_of_data",
            "foreign_variables_in_graph", "is_foreign_layer",
@@ -67,6 +67,7 @@ def check_strategy(model):
 
 
 replicas_in_sync = tf_training.replicas_in_sync
+batch_split_ways = tf_training.batch_split_ways
 
 
 def executions_stop_cleanly_at_end_of_data():

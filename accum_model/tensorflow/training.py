@@ -114,6 +114,12 @@ def replicas_in_sync(model):
     return model.distribute_strategy.num_replicas_in_sync
 
 
+def batch_split_ways():
+    """Int. How many equal parts each batch must split into across devices:
+    1, since a strategy's replicas may take parts of different sizes."""
+    return 1
+
+
 def check_strategy(strategy):
     """Refuses distribution strategies whose variables live off-replica."""
     unsupported = (
