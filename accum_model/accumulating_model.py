@@ -402,6 +402,33 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
         """
         adapter.accumulate_gradients(self, gradients, weight, batch_size)
 
+    def stateless_accumulate_gradients(self, optimizer_variables, gradients,
+                                       trainable_variables, weight):
+        """Adds one micro-batch's gradients to the window, statelessly (JAX).
+
+        For a subclass that writes its own stateless
+        `train_step(self, state, data)` on Keras 3's JAX backend: call this
+        where Keras's step calls `self.optimizer.stateless_apply`. The
+        window rides last among the optimizer's values in `state`; pass them
+        whole and return what this returns in the new state. On TensorFlow
+        the step is stateful: call `accumulate_gradients` there.
+
+        Args:
+            optimizer_variables: The optimizer values of the step's `state`,
+                as received.
+            gradients: List of gradients, one per trainable variable, of the
+                micro-batch loss (unscaled), a mean over `weight` elements.
+            trainable_variables: The trainable values the gradients were
+                taken at.
+            weight: Scalar. What the micro-batch loss was divided by.
+
+        Returns:
+            `(trainable_variables, optimizer_variables)`: the new values,
+            updated where the window ended with this micro-batch.
+        """
+        return adapter.stateless_accumulate_gradients(
+            self, optimizer_variables, gradients, trainable_variables, weight)
+
 
 # Keras 2 writes the plain class name into `.h5` files and JSON.
 adapter.register_plain_name(AccumulatingModel)

@@ -1,17 +1,30 @@
 """A user's own `train_step` or `compute_loss` accumulates exactly, or is told."""
 
+import contextlib
 import warnings
 
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from accum_model import AccumulatingModel
+from backends import ON_TENSORFLOW
+from backends import tensorflow_only
 from helpers import iterations
 from helpers import max_weight_difference
 from helpers import mlp
 from helpers import regression_data
+
+
+if ON_TENSORFLOW:
+    import tensorflow as tf
+else:
+    import jax
+    import jax.numpy as jnp
+
+# The steps below are TensorFlow's (a tape, stateful variables); JAX's
+# stateless step is at the end.
+tensorflow_step = tensorflow_only("a stateful step with a GradientTape")
 
 
 class TapeStep(AccumulatingModel):
@@ -47,6 +60,7 @@ def _plain_large_batch(x, y, batch, make_optimizer, epochs):
     return plain
 
 
+@tensorflow_step
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_gradient_tape_step_matches_large_batch(replicas, two_replicas):
     x, y = regression_data(samples=96)
@@ -65,6 +79,7 @@ def test_gradient_tape_step_matches_large_batch(replicas, two_replicas):
     assert max_weight_difference(plain, model) <= 1e-5
 
 
+@tensorflow_step
 def test_step_that_applies_the_optimizer_itself_is_warned_about():
     x, y = regression_data(samples=32)
     model = mlp(ApplyingStep, n_gradients=4)
@@ -73,6 +88,7 @@ def test_step_that_applies_the_optimizer_itself_is_warned_about():
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
 
 
+@tensorflow_step
 def test_step_that_calls_super_is_not_warned_about():
     class Logged(AccumulatingModel):
         def train_step(self, data):
@@ -141,6 +157,7 @@ def _sequence_model(model_class, **kwargs):
     return model_class(inputs=inputs, outputs=outputs, **kwargs)
 
 
+@tensorflow_step
 @pytest.mark.parametrize("model_class", [AccumulatingPerSampleLoss,
                                          StatedWeight])
 def test_overridden_compute_loss_is_weighted_by_samples(model_class):
@@ -165,3 +182,64 @@ def test_overridden_compute_loss_is_weighted_by_samples(model_class):
     assert len(told) == (1 if model_class is AccumulatingPerSampleLoss else 0)
     assert iterations(model) == 2
     assert max_weight_difference(plain, model) <= 1e-6
+
+
+class StatelessStep(AccumulatingModel):
+    """A JAX step of one's own: pure, `(state, data) -> (logs, state)`."""
+
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer_values, metrics_values = state
+        x, y = data
+
+        def loss_of(trainable):
+            predictions, new_non_trainable = self.stateless_call(
+                trainable, non_trainable, x, training=True)
+            return jnp.mean(jnp.square(predictions - y)), new_non_trainable
+
+        (loss, non_trainable), gradients = jax.value_and_grad(
+            loss_of, has_aux=True)(trainable)
+        trainable, optimizer_values = self.stateless_accumulate_gradients(
+            optimizer_values, gradients, trainable, weight=jnp.size(y))
+        return {"loss": loss}, (trainable, non_trainable, optimizer_values,
+                                metrics_values)
+
+
+@pytest.mark.skipif(ON_TENSORFLOW, reason="JAX's stateless step only")
+@pytest.mark.parametrize("devices", [1, 2])
+def test_stateless_step_matches_large_batch(devices, two_replicas):
+    # 100 samples: the last micro-batch has 4, the last window 1 of them.
+    x, y = regression_data(samples=100)
+    plain = _plain_large_batch(x, y, 32, lambda: keras.optimizers.Adam(0.01),
+                               epochs=2)
+    scope = two_replicas.scope() if devices == 2 else contextlib.nullcontext()
+    with scope:
+        model = mlp(StatelessStep, n_gradients=4)
+        model.compile(optimizer=keras.optimizers.Adam(0.01))
+        model.set_weights(mlp(keras.Model).get_weights())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            warnings.filterwarnings("ignore", message=".*shuffle.*")
+            model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                      verbose=0)
+    assert iterations(model) == iterations(plain) == 8
+    assert max_weight_difference(plain, model) <= 1e-5
+
+
+def test_each_backend_names_its_own_hook():
+    x, y = regression_data(samples=16)
+    if ON_TENSORFLOW:
+        with pytest.raises(NotImplementedError,
+                           match="self.accumulate_gradients"):
+            mlp(AccumulatingModel, n_gradients=2).\
+                stateless_accumulate_gradients([], [], [], 1.0)
+        return
+
+    class StatefulStep(AccumulatingModel):
+        def train_step(self, state, data):
+            self.accumulate_gradients([], weight=1.0)
+
+    model = mlp(StatefulStep, n_gradients=2)
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(NotImplementedError,
+                       match="stateless_accumulate_gradients"):
+        model.fit(x, y, batch_size=8, verbose=0)

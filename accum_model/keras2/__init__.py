@@ -45,6 +45,7 @@ from accum_model.keras2.training import layers_of
 from accum_model.keras2.training import logs_for_reduction
 from accum_model.keras2.training import micro_steps_in_epoch
 from accum_model.keras2.training import model_keyword_arguments
+from accum_model.keras2.training import stateless_accumulate_gradients
 from accum_model.keras2.training import steps_per_execution
 
 __all__ = [
@@ -85,6 +86,7 @@ __all__ = [
     "register_plain_name",
     "replicas_in_sync",
     "serialize_as",
+    "stateless_accumulate_gradients",
     "steps_per_execution",
     "track_loss",
 ]

@@ -24,6 +24,7 @@ from accum_model.tensorflow.accumulation import Accumulation
 __all__ = ["Accumulation", "BACKEND", "END_OF_DATA_ERRORS", "ModelDifferences",
            "STEPS_PER_EXECUTION_FIX", "accumulate_gradients",
            "accumulating_train_step", "batch_split_ways", "check_strategy",
+           "stateless_accumulate_gradients",
            "default_micro_batch_weight", "replicas_in_sync",
            "executions_stop_cleanly_at_end_of_data",
            "foreign_variables_in_graph", "is_foreign_layer", "layers_of", "logs_for_reduction",
@@ -70,6 +71,7 @@ def _warn_if_window_is_left_out(model, kind):
 
 
 replicas_in_sync = tf_training.replicas_in_sync
+stateless_accumulate_gradients = tf_training.stateless_accumulate_gradients
 batch_split_ways = tf_training.batch_split_ways
 
 

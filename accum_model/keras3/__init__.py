@@ -54,6 +54,8 @@ if BACKEND == "jax":
     from accum_model.keras3.jax_training import pools_moving_statistics
     from accum_model.keras3.jax_training import recording_batch_statistics
     from accum_model.keras3.jax_training import replicas_in_sync
+    from accum_model.keras3.jax_training import (
+        stateless_accumulate_gradients)
 else:
     from accum_model.keras3.tensorflow_normalization import (
         pools_moving_statistics)
@@ -80,6 +82,8 @@ else:
     from accum_model.keras3.tensorflow_training import is_foreign_layer
     from accum_model.keras3.tensorflow_training import logs_for_reduction
     from accum_model.keras3.tensorflow_training import replicas_in_sync
+    from accum_model.keras3.tensorflow_training import (
+        stateless_accumulate_gradients)
 
 __all__ = [
     "Accumulation",
@@ -119,6 +123,7 @@ __all__ = [
     "register_plain_name",
     "replicas_in_sync",
     "serialize_as",
+    "stateless_accumulate_gradients",
     "steps_per_execution",
     "track_loss",
 ]

@@ -25,7 +25,8 @@ across devices where it computes it, on every micro step.
 
 Not yet on JAX (each refused by name before training): another
 `keras.distribution.Distribution`, float64 accumulators without `jax_enable_x64`, and
-`accumulate_gradients` (a stateless step of the user's own).
+`accumulate_gradients` (a step of the user's own calls
+`stateless_accumulate_gradients` instead).
 BatchNormalization layers move their moving statistics per micro-batch
 (`fit()` warns). The open
 window is saved in Keras files, laid out as on TensorFlow.
@@ -49,6 +50,7 @@ from accum_model.core import divisor
 from accum_model.keras3 import losses
 from accum_model.keras3.jax_window import JAX_OPS
 from accum_model.keras3.jax_window import JAX_SHAPES
+from accum_model.keras3.jax_window import WindowState
 from accum_model.keras3.jax_window import end_window
 
 __all__ = ["END_OF_DATA_ERRORS", "ModelDifferences", "STEPS_PER_EXECUTION_FIX",
@@ -57,11 +59,8 @@ __all__ = ["END_OF_DATA_ERRORS", "ModelDifferences", "STEPS_PER_EXECUTION_FIX",
            "executions_stop_cleanly_at_end_of_data",
            "foreign_variables_in_graph", "is_foreign_layer",
            "logs_for_reduction", "pools_moving_statistics",
-           "recording_batch_statistics", "replicas_in_sync"]
-
-_NOT_YET = ("on the JAX backend yet; train on the TensorFlow backend "
-            "(KERAS_BACKEND=tensorflow) for it")
-
+           "recording_batch_statistics", "replicas_in_sync",
+           "stateless_accumulate_gradients"]
 
 # Keras's JAX loop stops before a step when the data runs out: no step
 # raises, and none runs on an empty batch.
@@ -127,6 +126,34 @@ def accumulating_train_step(model, state, data):
         gradients = model.get_unscaled_gradients(gradients)
 
     samples = jnp.asarray(divisor.batch_size(x, JAX_SHAPES), jnp.float32)
+    (trainable, optimizer_values, window, ends, window_loss,
+     window_samples) = _add_micro_batch(
+        accumulation, list(trainable), optimizer_values, window, gradients,
+        weight, loss, samples)
+
+    # The loss in the logs is each window's, logged when it ends, weighted
+    # by its samples as Keras weighs a batch's.
+    with keras.StatelessScope(state_mapping=list(
+            zip(model.metrics_variables, metrics_values))) as scope:
+        model._loss_tracker.update_state(
+            window_loss, sample_weight=jnp.where(ends, window_samples, 0.0))
+        logs = model.compute_metrics(x, y, y_pred, sample_weight)
+    metrics_values = [
+        _current(scope, variable) for variable in model.metrics_variables]
+    accumulation._traced_window = None
+    if (accumulation.settings.may_overflow
+            or accumulation.loss_scaling.active):
+        # An overflow must never pass silently: show the count.
+        logs = {**logs, "skipped_windows": window.skipped_windows}
+    return logs, (trainable, non_trainable,
+                  optimizer_values + [window], metrics_values)
+
+
+def _add_micro_batch(accumulation, trainable, optimizer_values, window,
+                     gradients, weight, loss, samples):
+    """Adds a micro-batch to the window and applies the window when it is
+    due; returns the new (trainable, optimizer values, window), whether the
+    window ended, its loss and its samples."""
     wide = jnp.float64 if window.gradient_sums and (
         window.gradient_sums[0].dtype == jnp.float64) else jnp.float32
     first = window.micro_steps == 0
@@ -158,23 +185,8 @@ def accumulating_train_step(model, state, data):
         lambda operands: operands,
         (list(trainable), optimizer_values, window),
     )
-
-    # The loss in the logs is each window's, logged when it ends, weighted
-    # by its samples as Keras weighs a batch's.
-    with keras.StatelessScope(state_mapping=list(
-            zip(model.metrics_variables, metrics_values))) as scope:
-        model._loss_tracker.update_state(
-            window_loss, sample_weight=jnp.where(ends, window_samples, 0.0))
-        logs = model.compute_metrics(x, y, y_pred, sample_weight)
-    metrics_values = [
-        _current(scope, variable) for variable in model.metrics_variables]
-    accumulation._traced_window = None
-    if (accumulation.settings.may_overflow
-            or accumulation.loss_scaling.active):
-        # An overflow must never pass silently: show the count.
-        logs = {**logs, "skipped_windows": window.skipped_windows}
-    return logs, (trainable, non_trainable,
-                  optimizer_values + [window], metrics_values)
+    return (trainable, optimizer_values, window, ends, window_loss,
+            window_samples)
 
 
 def _noise_terms(accumulation, window, gradients, weight, samples):
@@ -313,8 +325,38 @@ def default_micro_batch_weight(model, x, y_pred):
 def accumulate_gradients(model, gradients, weight, batch_size=None):
     del model, gradients, weight, batch_size
     raise NotImplementedError(
-        "`accumulate_gradients` hands gradients to a stateful window, and a "
-        f"training step of your own is stateless {_NOT_YET}.")
+        "`accumulate_gradients` hands gradients to a stateful window; on "
+        "JAX a training step of your own, `train_step(self, state, data)`, "
+        "is stateless: call `trainable_variables, optimizer_variables = "
+        "self.stateless_accumulate_gradients(optimizer_variables, "
+        "gradients, trainable_variables, weight)` where Keras's step calls "
+        "`self.optimizer.stateless_apply`.")
+
+
+def stateless_accumulate_gradients(model, optimizer_variables, gradients,
+                                   trainable_variables, weight):
+    """`AccumulatingModel.stateless_accumulate_gradients` (JAX, traced)."""
+    accumulation = model._accumulation
+    optimizer_variables = list(optimizer_variables)
+    window = optimizer_variables[-1] if optimizer_variables else None
+    if not isinstance(window, WindowState):
+        raise ValueError(
+            "`optimizer_variables` must be the optimizer values of the "
+            "`state` your `train_step(self, state, data)` received, whole: "
+            "the window rides last among them. Received: "
+            f"{len(optimizer_variables)} values, the last of type "
+            f"{type(window).__name__}")
+    gradients = list(gradients)
+    if len(gradients) != len(window.gradient_sums):
+        raise ValueError(
+            f"`gradients` needs one entry per trainable variable "
+            f"({len(window.gradient_sums)}). Received: {len(gradients)}")
+    accumulation.divide_by_weight = True
+    weight = jnp.asarray(weight, jnp.float32)
+    trainable, optimizer_values, window, *_ = _add_micro_batch(
+        accumulation, list(trainable_variables), optimizer_variables[:-1],
+        window, gradients, weight, jnp.asarray(0.0, jnp.float32), weight)
+    return trainable, optimizer_values + [window]
 
 
 def executions_stop_cleanly_at_end_of_data():

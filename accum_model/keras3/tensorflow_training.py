@@ -32,6 +32,7 @@ from accum_model.tensorflow.ops import TF_SHAPES
 __all__ = ["Accumulation", "END_OF_DATA_ERRORS", "ModelDifferences",
            "STEPS_PER_EXECUTION_FIX", "accumulate_gradients",
            "accumulating_train_step", "batch_split_ways", "check_strategy",
+           "stateless_accumulate_gradients",
            "default_micro_batch_weight",
            "executions_stop_cleanly_at_end_of_data",
            "foreign_variables_in_graph", "is_foreign_layer",
@@ -67,6 +68,7 @@ def check_strategy(model):
 
 
 replicas_in_sync = tf_training.replicas_in_sync
+stateless_accumulate_gradients = tf_training.stateless_accumulate_gradients
 batch_split_ways = tf_training.batch_split_ways
 
 
