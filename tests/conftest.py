@@ -34,8 +34,9 @@ if len(set(_TENSORFLOWS.values())) > 1:
     )
 
 # On JAX, two CPU devices for `keras.distribution` (read when JAX starts).
-if "xla_force_host_platform_device_count" not in os.environ.get(
-        "XLA_FLAGS", ""):
+if os.environ.get("KERAS_BACKEND") == "jax" and (
+        "xla_force_host_platform_device_count"
+        not in os.environ.get("XLA_FLAGS", "")):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=2")
 
