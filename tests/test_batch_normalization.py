@@ -8,15 +8,18 @@ statistics). With a learning rate the forward pass still normalises each
 micro-batch by its own statistics, which `fit()` says once.
 """
 
+import contextlib
 import warnings
 
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from accum_model import AccumulatingModel
 from accum_model._chooser import adapter
+from backends import ON_TENSORFLOW
+from backends import tensorflow_only
+from helpers import numpy_of
 
 pytestmark = pytest.mark.skipif(
     not adapter.pools_moving_statistics(keras.layers.BatchNormalization()),
@@ -49,7 +52,7 @@ def image_data(samples=96, seed=0):
 
 def statistics(model, name="norm"):
     layer = model.get_layer(name)
-    return [layer.moving_mean.numpy(), layer.moving_variance.numpy()]
+    return [numpy_of(layer.moving_mean), numpy_of(layer.moving_variance)]
 
 
 def max_difference(arrays_a, arrays_b):
@@ -70,12 +73,11 @@ def large_batch_and_window(build, x, y, micro_batch, n_gradients,
     plain.compile(optimizer=keras.optimizers.SGD(learning_rate), loss="mse")
     plain.fit(x, y, batch_size=micro_batch * n_gradients, epochs=epochs,
               shuffle=False, verbose=0)
-    scope = strategy.scope() if strategy else tf.distribute.get_strategy().scope()
-    with scope:
+    with strategy.scope() if strategy else contextlib.nullcontext():
         model = build(AccumulatingModel, n_gradients=n_gradients)
         model.compile(optimizer=keras.optimizers.SGD(learning_rate),
                       loss="mse")
-    fit_quietly(model, x, y, batch_size=micro_batch, epochs=epochs)
+        fit_quietly(model, x, y, batch_size=micro_batch, epochs=epochs)
     return plain, model
 
 
@@ -124,8 +126,12 @@ def test_statistics_stay_still_within_a_window():
     assert max_difference(statistics(plain), moved) <= TOLERANCE
 
 
-@pytest.mark.parametrize("synchronized", [False, True])
-@pytest.mark.parametrize("samples", [96, 99])  # 99: replicas split unevenly
+@pytest.mark.parametrize("synchronized", [
+    False, pytest.param(True, marks=tensorflow_only(
+        "synchronized=True is TensorFlow's"))])
+@pytest.mark.parametrize("samples", [
+    96, pytest.param(99, marks=tensorflow_only(  # replicas split unevenly
+        "DataParallel splits batches equally"))])
 def test_two_replicas_equal_one_device_large_batch(two_replicas,
                                                    synchronized, samples):
     x, y = image_data(samples)
@@ -163,6 +169,8 @@ def test_mask_excludes_padded_steps():
     assert max_difference(statistics(plain), statistics(unmasked)) > 0
 
 
+@tensorflow_only("on JAX such a layer moves per micro-batch (warned, "
+                 "tested below)")
 def test_a_layer_called_twice_moves_twice_per_window():
     # Both calls see inputs no batch statistic has touched, so at learning
     # rate 0 their slices are the large batch's (a BN after a training BN
@@ -183,6 +191,22 @@ def test_a_layer_called_twice_moves_twice_per_window():
     assert max_difference(statistics(plain), statistics(model)) <= TOLERANCE
 
 
+@pytest.mark.skipif(ON_TENSORFLOW, reason="JAX only")
+def test_on_jax_a_layer_called_twice_is_warned_about():
+    def build(model_class, **kwargs):
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((5,))
+        norm = keras.layers.BatchNormalization(name="norm")
+        hidden = keras.layers.Concatenate()([norm(inputs), norm(inputs * 2)])
+        return model_class(inputs, keras.layers.Dense(1)(hidden), **kwargs)
+
+    x = np.ones((16, 5), "float32")
+    model = build(AccumulatingModel, n_gradients=2)
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.warns(UserWarning, match="called more than once.*norm"):
+        model.fit(x, x[:, :1], batch_size=4, verbose=0)
+
+
 def test_mixed_float16_statistics_equal_the_mixed_large_batch():
     keras.mixed_precision.set_global_policy("mixed_float16")
     x, y = image_data()
@@ -197,7 +221,7 @@ def test_training_with_a_learning_rate_stays_close():
     plain, model = large_batch_and_window(conv_bn, x, y, 8, 4,
                                           learning_rate=0.05)
     assert max_difference(statistics(plain), statistics(model)) <= 0.05
-    assert model.optimizer.iterations.numpy() == 6
+    assert int(numpy_of(model.optimizer.iterations)) == 6
 
 
 def test_resume_in_the_middle_of_a_window_keeps_its_statistics(tmp_path):

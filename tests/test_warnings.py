@@ -10,7 +10,6 @@ import numpy as np
 from accum_model import AccumulatingModel
 from accum_model import accumulating
 from accum_model._chooser import adapter
-from backends import tensorflow_only
 from helpers import regression_data
 
 
@@ -167,8 +166,6 @@ def test_fit_after_applying_the_open_window_is_quiet():
     assert not [m for m in _fit_messages(model, x, y) if "left open" in m]
 
 
-@tensorflow_only("an open window in a file is not restored on JAX yet "
-                 "(warned, tests/test_backends.py)")
 def test_a_window_restored_from_a_checkpoint_is_continued_quietly(tmp_path):
     x, y = regression_data(samples=16)
     model = _with_layer(None)

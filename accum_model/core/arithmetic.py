@@ -77,6 +77,48 @@ def fits_float16(largest_sum, loss_scale, total_weight):
     return largest_sum * loss_scale < FLOAT16_OVERFLOW * total_weight
 
 
+def statistics_terms(count, mean, variance, shift, ops):
+    """A micro-batch's share of a normalization layer's pooled moments.
+
+    Per channel: its element count, the sum of its elements minus `shift`
+    and the sum of their squares, from the batch's `mean` and (biased)
+    `variance` over `count` elements. `shift` is the moving mean, constant
+    through the window, so that the variance does not cancel
+    catastrophically when the mean is large. A slice with no element adds
+    nothing, also where its moments are 0/0.
+
+    Returns:
+        (count, shifted sum, shifted sum of squares), each [channels].
+    """
+    offset = mean - shift
+    has_elements = count > 0
+    zeros = ops.zeros_like(count)
+    return (count,
+            ops.where(has_elements, count * offset, zeros),
+            ops.where(has_elements, count * (variance + offset * offset),
+                      zeros))
+
+
+def pooled_moving_statistics(count, shifted_sum, shifted_square_sum, shift,
+                             moving_mean, moving_variance, momentum, ops):
+    """The moving mean and variance after one step by the large batch's
+    moments, pooled from the window's `statistics_terms`.
+
+    A channel no element reached has moments 0 and 0, as a layer's own
+    masked moments give a batch with nothing unmasked.
+    """
+    mean_offset = divide_no_nan(shifted_sum, count, ops)
+    zeros = ops.zeros_like(count)
+    variance = ops.maximum(
+        divide_no_nan(shifted_square_sum, count, ops)
+        - mean_offset * mean_offset, zeros)
+    seen = count > 0
+    mean = ops.where(seen, shift + mean_offset, zeros)
+    variance = ops.where(seen, variance, zeros)
+    return (moving_mean * momentum + mean * (1.0 - momentum),
+            moving_variance * momentum + variance * (1.0 - momentum))
+
+
 def noise_micro_batch_term(weight, squared_norm, size, ops):
     """One micro-batch's v |g_v|^2 for the noise scale.
 

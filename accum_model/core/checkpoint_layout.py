@@ -10,6 +10,8 @@ window existed holds the same keys, empty; a file without them (a plain
 restores on another.
 """
 
+import warnings
+
 import numpy as np
 
 # Counters saved with the window, in the order of the "counters" array. The
@@ -162,3 +164,41 @@ class RestoredWindow:
 
     def _write(self, arrays):
         raise NotImplementedError
+
+
+def statistics_to_write(arrays, shapes, counters):
+    """The saved batch statistics, one array of `shapes` per entry of the
+    loading window (`read` arrays; `counters` as `window_to_write` gives).
+
+    A window saved without them (by a model whose normalization layers moved
+    their own statistics) has nothing pooled yet: zeros, and a warning when
+    it holds micro-batches whose statistics the window then misses.
+    """
+    saved = np.asarray(arrays.get("statistics", np.zeros([0])))
+    expected = sum(int(np.prod(shape)) for shape in shapes)
+    if saved.size == 0 or not counters["micro_steps"]:
+        if expected and counters["micro_steps"]:
+            warnings.warn(
+                "The checkpoint's open window holds "
+                f"{int(counters['micro_steps'])} micro-batches but no "
+                "BatchNormalization statistics for them (it was saved by a "
+                "model whose layers moved their own): this window's moving "
+                "statistics come from the micro-batches after the resume "
+                "only. Call `model.apply_open_window()` before saving to "
+                "keep every window whole.",
+                stacklevel=2,
+            )
+        return [np.zeros(shape, np.float32) for shape in shapes]
+    if saved.size != expected:
+        raise ValueError(
+            "The checkpoint holds the batch statistics of an open window for "
+            f"{saved.size} values, but the model's training "
+            f"BatchNormalization layers need {expected}. Load it into a "
+            "model with the same layers, or call `model.apply_open_window()` "
+            "before saving."
+        )
+    offsets = np.cumsum([0] + [int(np.prod(shape)) for shape in shapes])
+    return [
+        saved[offsets[i]:offsets[i + 1]].reshape(shape)
+        for i, shape in enumerate(shapes)
+    ]

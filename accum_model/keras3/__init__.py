@@ -20,6 +20,7 @@ from accum_model.keras3.losses import loss_logged_by_window
 from accum_model.keras3.losses import losses_not_divided_by_replicas
 from accum_model.keras3.losses import recording_loss_reductions
 from accum_model.keras3.losses import track_loss
+from accum_model.keras3.normalization import pools_moving_statistics
 from accum_model.keras3.optimizer import check_optimizer
 from accum_model.keras3.optimizer import float16_gradient_flags
 from accum_model.keras3.saving import Functional
@@ -51,14 +52,11 @@ if BACKEND == "jax":
     from accum_model.keras3.jax_training import foreign_variables_in_graph
     from accum_model.keras3.jax_training import is_foreign_layer
     from accum_model.keras3.jax_training import logs_for_reduction
-    from accum_model.keras3.jax_training import pools_moving_statistics
     from accum_model.keras3.jax_training import recording_batch_statistics
     from accum_model.keras3.jax_training import replicas_in_sync
     from accum_model.keras3.jax_training import (
         stateless_accumulate_gradients)
 else:
-    from accum_model.keras3.tensorflow_normalization import (
-        pools_moving_statistics)
     from accum_model.keras3.tensorflow_normalization import (
         recording_batch_statistics)
     from accum_model.keras3.tensorflow_optimizer import LossScaling

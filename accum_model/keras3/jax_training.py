@@ -23,13 +23,14 @@ one program over the sharded micro-batch, as Keras's own: the window's
 gradient sums are laid out as their variables and XLA reduces the gradient
 across devices where it computes it, on every micro step.
 
-Not yet on JAX (each refused by name before training): another
-`keras.distribution.Distribution`, float64 accumulators without `jax_enable_x64`, and
-`accumulate_gradients` (a step of the user's own calls
-`stateless_accumulate_gradients` instead).
-BatchNormalization layers move their moving statistics per micro-batch
-(`fit()` warns). The open
-window is saved in Keras files, laid out as on TensorFlow.
+BatchNormalization layers' moving statistics are pooled over the window
+(`jax_normalization`). The open window is saved in Keras files, laid out
+as on TensorFlow.
+
+Not on JAX (each refused by name before training): another
+`keras.distribution.Distribution`, float64 accumulators without
+`jax_enable_x64`, and `accumulate_gradients` (a step of the user's own
+calls `stateless_accumulate_gradients` instead).
 
 Private Keras members used, checked on keras 3.15.1 with jax 0.10.2:
 `_get_jax_state`, `jax_state_sync`, `_jax_state`, `_jax_state_synced`,
@@ -48,8 +49,8 @@ from accum_model.core import arithmetic
 from accum_model.core import class_tree
 from accum_model.core import divisor
 from accum_model.keras3 import losses
-from accum_model.keras3.jax_window import JAX_OPS
-from accum_model.keras3.jax_window import JAX_SHAPES
+from accum_model.keras3.jax_ops import JAX_OPS
+from accum_model.keras3.jax_ops import JAX_SHAPES
 from accum_model.keras3.jax_window import WindowState
 from accum_model.keras3.jax_window import end_window
 
@@ -58,8 +59,7 @@ __all__ = ["END_OF_DATA_ERRORS", "ModelDifferences", "STEPS_PER_EXECUTION_FIX",
            "check_strategy", "default_micro_batch_weight",
            "executions_stop_cleanly_at_end_of_data",
            "foreign_variables_in_graph", "is_foreign_layer",
-           "logs_for_reduction", "pools_moving_statistics",
-           "recording_batch_statistics", "replicas_in_sync",
+           "logs_for_reduction", "recording_batch_statistics", "replicas_in_sync",
            "stateless_accumulate_gradients"]
 
 # Keras's JAX loop stops before a step when the data runs out: no step
@@ -89,8 +89,10 @@ def accumulating_train_step(model, state, data):
 
     def scaled_loss_of(trainable):
         kwargs = {"training": True} if model._call_has_training_arg else {}
-        y_pred, new_non_trainable, layer_losses = model.stateless_call(
-            trainable, non_trainable, x, return_losses=True, **kwargs)
+        with accumulation.statistics.recording() as records:
+            y_pred, new_non_trainable, layer_losses = model.stateless_call(
+                trainable, non_trainable, x, return_losses=True, **kwargs)
+        moments = accumulation.statistics.moments_of(records)
         if layer_losses:
             model._losses_override.clear()
             model._losses_override = layer_losses
@@ -117,19 +119,22 @@ def accumulating_train_step(model, state, data):
         with optimizer_values_in_scope():
             scaled_loss = model.get_scaled_loss(loss)
         return scaled_loss, (
-            loss, y_pred, new_non_trainable, new_metrics, weight)
+            loss, y_pred, new_non_trainable, new_metrics, weight, moments)
 
     (_, aux), gradients = jax.value_and_grad(scaled_loss_of, has_aux=True)(
         trainable)
-    loss, y_pred, non_trainable, metrics_values, weight = aux
+    loss, y_pred, new_non_trainable, metrics_values, weight, moments = aux
+    # The window moves the pooled layers' statistics when it ends.
+    non_trainable = accumulation.statistics.keep_moving(new_non_trainable,
+                                                        non_trainable)
     with optimizer_values_in_scope():
         gradients = model.get_unscaled_gradients(gradients)
 
     samples = jnp.asarray(divisor.batch_size(x, JAX_SHAPES), jnp.float32)
-    (trainable, optimizer_values, window, ends, window_loss,
+    (trainable, non_trainable, optimizer_values, window, ends, window_loss,
      window_samples) = _add_micro_batch(
         accumulation, list(trainable), optimizer_values, window, gradients,
-        weight, loss, samples)
+        weight, loss, samples, non_trainable, moments)
 
     # The loss in the logs is each window's, logged when it ends, weighted
     # by its samples as Keras weighs a batch's.
@@ -150,9 +155,11 @@ def accumulating_train_step(model, state, data):
 
 
 def _add_micro_batch(accumulation, trainable, optimizer_values, window,
-                     gradients, weight, loss, samples):
-    """Adds a micro-batch to the window and applies the window when it is
-    due; returns the new (trainable, optimizer values, window), whether the
+                     gradients, weight, loss, samples, non_trainable=None,
+                     moments=None):
+    """Adds a micro-batch (and its normalization layers' `moments`) to the
+    window and applies the window when it is due; returns the new
+    (trainable, non-trainable, optimizer values, window), whether the
     window ended, its loss and its samples."""
     wide = jnp.float64 if window.gradient_sums and (
         window.gradient_sums[0].dtype == jnp.float64) else jnp.float32
@@ -173,20 +180,28 @@ def _add_micro_batch(accumulation, trainable, optimizer_values, window,
         **_noise_terms(accumulation, window, gradients, weight, samples),
         steps_left_in_epoch=window.steps_left_in_epoch - 1,
     )
+    if moments is not None:
+        window = window._replace(statistics_sums=accumulation.statistics.added(
+            window.statistics_sums, moments, non_trainable))
     ends = jnp.logical_or(window.micro_steps >= window.length,
                           window.steps_left_in_epoch == 0)
     window_loss = arithmetic.window_loss(
         window.loss_sum, window.weight_sum, accumulation.divide_by_weight,
         JAX_OPS)
     window_samples = window.sample_sum
+    if moments is not None:
+        # Moved whether the update is applied or skipped for overflow, as
+        # the large batch's forward pass moves them.
+        non_trainable = accumulation.statistics.moved(
+            window.statistics_sums, non_trainable, ends)
     trainable, optimizer_values, window = jax.lax.cond(
         ends,
         functools.partial(end_window, accumulation),
         lambda operands: operands,
         (list(trainable), optimizer_values, window),
     )
-    return (trainable, optimizer_values, window, ends, window_loss,
-            window_samples)
+    return (trainable, non_trainable, optimizer_values, window, ends,
+            window_loss, window_samples)
 
 
 def _noise_terms(accumulation, window, gradients, weight, samples):
@@ -279,7 +294,8 @@ class ModelDifferences:
                 # (`_jax_state`): JAX takes plain ones.
                 state = values[-1]
                 window.state = state._replace(
-                    gradient_sums=list(state.gradient_sums))
+                    gradient_sums=list(state.gradient_sums),
+                    statistics_sums=list(state.statistics_sums))
         super().jax_state_sync()
 
 
@@ -353,7 +369,7 @@ def stateless_accumulate_gradients(model, optimizer_variables, gradients,
             f"({len(window.gradient_sums)}). Received: {len(gradients)}")
     accumulation.divide_by_weight = True
     weight = jnp.asarray(weight, jnp.float32)
-    trainable, optimizer_values, window, *_ = _add_micro_batch(
+    trainable, _, optimizer_values, window, *_ = _add_micro_batch(
         accumulation, list(trainable_variables), optimizer_variables[:-1],
         window, gradients, weight, jnp.asarray(0.0, jnp.float32), weight)
     return trainable, optimizer_values + [window]
@@ -381,15 +397,9 @@ def logs_for_reduction(logs, strategy):
     return logs
 
 
-def pools_moving_statistics(layer):
-    """On JAX, BatchNormalization layers move their moving statistics on
-    each micro-batch (`fit()` warns)."""
-    del layer
-    return False
-
-
 @contextlib.contextmanager
 def recording_batch_statistics(layers):
+    """Unused on JAX: the step records through `PooledStatistics`."""
     del layers
     yield []
 

@@ -23,33 +23,14 @@ from keras.src.saving.keras_saveable import KerasSaveable
 
 from accum_model.core import arithmetic
 from accum_model.core import checkpoint_layout as layout
-from accum_model.core import divisor
 from accum_model.core.lifecycle import WindowLifecycle
 from accum_model.core.messages import window_is_open
 from accum_model.core.optimizer_duties import OptimizerDuties
 from accum_model.core.variables import is_overwritten_with_gradient
+from accum_model.keras3.jax_normalization import PooledStatistics
+from accum_model.keras3.jax_ops import JAX_OPS
 
 __all__ = ["Accumulation", "LossScaling", "WindowCheckpoint"]
-
-
-
-JAX_OPS = arithmetic.ArrayOps(
-    where=jnp.where, minimum=jnp.minimum, maximum=jnp.maximum,
-    zeros_like=jnp.zeros_like, ones_like=jnp.ones_like,
-    to_float32=lambda value: jnp.asarray(value, jnp.float32),
-)
-
-
-JAX_SHAPES = divisor.ShapeOps(
-    convert=jnp.asarray,
-    count=lambda value: jnp.asarray(jnp.size(value), jnp.float32),
-    count_true=lambda mask: jnp.sum(jnp.asarray(mask, jnp.float32)),
-    first_dimension=lambda value: jnp.shape(value)[0],
-    leading_elements=lambda value: jnp.asarray(
-        np.prod(jnp.shape(value)[:-1]), jnp.float32),
-    flatten=keras.tree.flatten,
-    to_float32=lambda value: jnp.asarray(value, jnp.float32),
-)
 
 
 
@@ -77,10 +58,13 @@ class WindowState(typing.NamedTuple):
     noise_trace_sum: jax.Array
     noise_signal_sum: jax.Array
     noise_estimates: jax.Array
+    # BatchNormalization's pooled moments: per pooled layer, [3, channels]
+    # of element count, shifted sum and shifted sum of squares.
+    statistics_sums: list
 
 
 def _empty_state(variables, dtype, length, steps_left_in_epoch=-1,
-                 skipped_windows=0):
+                 skipped_windows=0, statistics_sums=()):
     def scalar(value, kind=jnp.float32):
         return jnp.asarray(value, kind)
 
@@ -101,6 +85,7 @@ def _empty_state(variables, dtype, length, steps_left_in_epoch=-1,
         noise_micro_batches=scalar(0.0), noise_measurable=scalar(1.0),
         noise_trace_sum=scalar(0.0), noise_signal_sum=scalar(0.0),
         noise_estimates=scalar(0.0),
+        statistics_sums=list(statistics_sums),
     )
 
 
@@ -118,6 +103,7 @@ def _reset(state):
         noise_weight_sum=jnp.zeros_like(state.noise_weight_sum),
         noise_micro_batches=jnp.zeros_like(state.noise_micro_batches),
         noise_measurable=jnp.ones_like(state.noise_measurable),
+        statistics_sums=[jnp.zeros_like(s) for s in state.statistics_sums],
     )
 
 
@@ -149,6 +135,9 @@ class Accumulation(WindowLifecycle):
         self.overwrite = []
         # The window's state inside a step being traced, else None.
         self._traced_window = None
+        # The layers whose moving statistics the window pools (set when
+        # the window is built).
+        self.statistics = None
 
     # What `WindowLifecycle` asks of a backend --------------------------------
 
@@ -243,11 +232,15 @@ class Accumulation(WindowLifecycle):
                 if self.loss_scaling is not None and self.loss_scaling.active
                 and self._float16_gradients is not None
                 else [False] * len(variables), self.overwrite)]
+        # Where each layer's moving statistics sit among the non-trainable
+        # variables follows which weights are trainable now.
+        self.statistics = PooledStatistics(model)
         if self.window is not None and self.window.matches(variables):
             return
         self.window = _Window(variables, _empty_state(
             variables, self.settings.accumulator_dtype, self.window_length(),
-            self._epoch_steps))
+            self._epoch_steps,
+            statistics_sums=self.statistics.empty_sums()))
         self.checkpoint.window_built()
 
     def write_window(self, arrays):
@@ -271,6 +264,11 @@ class Accumulation(WindowLifecycle):
             noise_micro_batches=jnp.asarray(0.0, jnp.float32),
             noise_measurable=jnp.asarray(
                 0.0 if counters["micro_steps"] else 1.0, jnp.float32),
+            statistics_sums=[
+                jnp.asarray(value, jnp.float32)
+                for value in layout.statistics_to_write(
+                    arrays, [tuple(s.shape) for s in state.statistics_sums],
+                    counters)],
         )
         self._set_window_length(self.window_length())
 
@@ -318,6 +316,9 @@ class Accumulation(WindowLifecycle):
         window_loss = arithmetic.window_loss(
             state.loss_sum, state.weight_sum, self.divide_by_weight, JAX_OPS)
         samples = state.sample_sum
+        # The large batch's forward pass moves the moving statistics
+        # whether or not its update is then skipped for overflow.
+        self.statistics.move_variables(state.statistics_sums, model)
         variables = self.window.trainable_variables
         trainable, optimizer_values, self.window.state = self._apply_open[1](
             ([v.value for v in variables],
@@ -568,21 +569,23 @@ class WindowCheckpoint(KerasSaveable, layout.RestoredWindow):
     def _obj_type(self):
         return "Layer"
 
-    def save_own_variables(self, store):
+    def saved_state(self):
+        """The window's arrays as a file holds them (`core.checkpoint_layout`),
+        or None when there is no window to save."""
         window = self._accumulation().window
-        if window is None and self._pending is None:
-            return
         if window is None:
-            arrays = self._pending
-        else:
-            state = window.state
-            arrays = layout.saved_state(
-                [np.asarray(s) for s in state.gradient_sums],
-                [True] * len(state.gradient_sums),
-                {name: float(getattr(state, name))
-                 for name in layout.COUNTERS},
-            )
-        for key, value in arrays.items():
+            return self._pending
+        state = window.state
+        return layout.saved_state(
+            [np.asarray(s) for s in state.gradient_sums],
+            [True] * len(state.gradient_sums),
+            {name: float(getattr(state, name)) for name in layout.COUNTERS},
+            [np.asarray(s) for s in state.statistics_sums],
+        )
+
+    def save_own_variables(self, store):
+        arrays = self.saved_state()
+        for key, value in (arrays or {}).items():
             store[key] = value
 
     def load_own_variables(self, store):

@@ -17,24 +17,14 @@ are per micro-batch).
 import contextlib
 import threading
 
-import keras
 import tensorflow as tf
 
+from accum_model.keras3.normalization import pools_moving_statistics
 from accum_model.tensorflow.batch_statistics import RecordedStatistics
 from accum_model.tensorflow.batch_statistics import StatisticsCall
 
 
 __all__ = ["pools_moving_statistics", "recording_batch_statistics"]
-
-
-def pools_moving_statistics(layer):
-    """Whether a window takes over `layer`'s moving statistics."""
-    return (
-        isinstance(layer, keras.layers.BatchNormalization)
-        and type(layer).call is keras.layers.BatchNormalization.call
-        and not getattr(layer, "renorm", False)
-        and callable(getattr(layer, "_moments", None))
-    )
 
 
 @contextlib.contextmanager

@@ -17,6 +17,9 @@ totals, in its one reduction.
 
 import tensorflow as tf
 
+from accum_model.core import arithmetic
+from accum_model.tensorflow.ops import TF_OPS
+
 _ON_READ = tf.VariableSynchronization.ON_READ
 
 
@@ -101,20 +104,12 @@ class WindowStatistics:
             recorded: List of `RecordedStatistics`, one per call, in order.
         """
         for sums, record in zip(self.sums, recorded):
-            count = tf.cast(record.count, tf.float32)
             shift = tf.cast(tf.convert_to_tensor(record.call.mean_variable),
                             tf.float32)
-            offset = tf.cast(record.mean, tf.float32) - shift
-            variance = tf.cast(record.variance, tf.float32)
-            # A slice with no element (an empty batch, everything masked)
-            # adds nothing, also where its statistics are 0/0.
-            has_elements = count > 0
-            sums.assign_add(tf.stack([
-                count,
-                tf.where(has_elements, count * offset, 0.0),
-                tf.where(has_elements,
-                         count * (variance + tf.square(offset)), 0.0),
-            ]))
+            sums.assign_add(tf.stack(arithmetic.statistics_terms(
+                tf.cast(record.count, tf.float32),
+                tf.cast(record.mean, tf.float32),
+                tf.cast(record.variance, tf.float32), shift, TF_OPS)))
 
     @property
     def size(self):
@@ -156,26 +151,13 @@ class WindowStatistics:
             moving_variance = tf.cast(
                 tf.convert_to_tensor(call.variance_variable), tf.float32
             )
-            mean_offset = tf.math.divide_no_nan(shifted_sum, count)
-            variance = tf.maximum(
-                tf.math.divide_no_nan(shifted_square_sum, count)
-                - tf.square(mean_offset),
-                0.0,
-            )
-            # A channel no element reached has statistics 0 and 0, as the
-            # layer's own masked moments give a batch with nothing unmasked.
-            seen = count > 0
-            mean = tf.where(seen, shift + mean_offset, 0.0)
-            variance = tf.where(seen, variance, 0.0)
-            momentum = call.momentum
-            call.mean_variable.assign(tf.cast(
-                moving_mean * momentum + mean * (1.0 - momentum),
-                call.mean_variable.dtype,
-            ))
+            mean, variance = arithmetic.pooled_moving_statistics(
+                count, shifted_sum, shifted_square_sum, shift, moving_mean,
+                moving_variance, call.momentum, TF_OPS)
+            call.mean_variable.assign(tf.cast(mean,
+                                              call.mean_variable.dtype))
             call.variance_variable.assign(tf.cast(
-                moving_variance * momentum + variance * (1.0 - momentum),
-                call.variance_variable.dtype,
-            ))
+                variance, call.variance_variable.dtype))
 
     def reset(self):
         for sums in self.sums:

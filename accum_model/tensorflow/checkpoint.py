@@ -15,10 +15,8 @@ window (the usual build, compile, `load_weights` order) waits and is written
 into the window when training builds it.
 """
 
-import warnings
 import weakref
 
-import numpy as np
 import tensorflow as tf
 
 from accum_model.core import checkpoint_layout as layout
@@ -84,7 +82,8 @@ def _write(window, arrays, accumulation):
     sizes = [int(s.shape.num_elements()) for s in window.gradient_sums]
     gradients, has_gradient, counters = layout.window_to_write(
         arrays, sizes, float(window.skipped_windows.read_value().numpy()))
-    statistics = _statistics_to_write(window, arrays, counters)
+    statistics = layout.statistics_to_write(
+        arrays, [tuple(s.shape) for s in window.statistics.sums], counters)
     num_replicas = strategy.num_replicas_in_sync
     with strategy.scope():
         for gradient_sum, value in zip(window.gradient_sums, gradients):
@@ -103,41 +102,3 @@ def _write(window, arrays, accumulation):
         now or saved for now, saved in zip(window.has_gradient, has_gradient)
     ]
     window.set_length(accumulation.window_length())
-
-
-def _statistics_to_write(window, arrays, counters):
-    """The saved batch statistics, one array per call of the window.
-
-    A window saved without them (by a model whose normalization layers moved
-    their own statistics) has nothing pooled yet: zeros, and a warning when
-    it holds micro-batches whose statistics the window then misses.
-    """
-    shapes = [tuple(s.shape) for s in window.statistics.sums]
-    saved = np.asarray(arrays.get("statistics", np.zeros([0])))
-    expected = sum(int(np.prod(shape)) for shape in shapes)
-    if saved.size == 0 or not counters["micro_steps"]:
-        if expected and counters["micro_steps"]:
-            warnings.warn(
-                "The checkpoint's open window holds "
-                f"{int(counters['micro_steps'])} micro-batches but no "
-                "BatchNormalization statistics for them (it was saved by a "
-                "model whose layers moved their own): this window's moving "
-                "statistics come from the micro-batches after the resume "
-                "only. Call `model.apply_open_window()` before saving to "
-                "keep every window whole.",
-                stacklevel=2,
-            )
-        return [np.zeros(shape, np.float32) for shape in shapes]
-    if saved.size != expected:
-        raise ValueError(
-            "The checkpoint holds the batch statistics of an open window for "
-            f"{saved.size} values, but the model's training "
-            f"BatchNormalization layers need {expected}. Load it into a "
-            "model with the same layers, or call `model.apply_open_window()` "
-            "before saving."
-        )
-    offsets = np.cumsum([0] + [int(np.prod(shape)) for shape in shapes])
-    return [
-        saved[offsets[i]:offsets[i + 1]].reshape(shape)
-        for i, shape in enumerate(shapes)
-    ]

@@ -1,0 +1,176 @@
+"""BatchNormalization's moving statistics, pooled over a window on JAX.
+
+Checked on keras 3.15.1 with jax 0.10.2. As on TensorFlow (see
+`tensorflow_normalization`), Keras 3's `BatchNormalization`, in a training
+call of a trainable layer without `renorm`, takes the batch's moments from
+its private `_moments(inputs, mask)` and then assigns `moving_mean` and
+`moving_variance`; in Keras's stateless call those assigns become the
+step's new non-trainable values. During a micro step each pooled layer's
+moments are recorded and its new moving values replaced by the old ones;
+the window sums the moments (`core.arithmetic.statistics_terms`) and moves
+the statistics once, when it ends (`pooled_moving_statistics`), whether
+its update is applied or skipped for overflow, as the large batch's
+forward pass would.
+
+A layer called more than once in one step moves its own statistics on
+each micro-batch (warned once).
+"""
+
+import contextlib
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from accum_model.core import arithmetic
+from accum_model.keras3.jax_ops import JAX_OPS
+from accum_model.keras3.normalization import pools_moving_statistics
+from accum_model.keras3.training import layers_of
+
+# Used by `jax_window`; nothing of the adapter's own.
+__all__ = []
+
+class PooledStatistics:
+    """The layers of a model whose moving statistics a window pools.
+
+    Args:
+        model: The built model.
+    """
+
+    def __init__(self, model):
+        self.layers = [layer for layer in layers_of(model)
+                       if pools_moving_statistics(layer)]
+        position = {id(v): i
+                    for i, v in enumerate(model.non_trainable_variables)}
+        self._positions = [
+            (position[id(layer.moving_mean)],
+             position[id(layer.moving_variance)])
+            for layer in self.layers]
+        # Which layers the traced step found called exactly once (static).
+        self.pooled = [True] * len(self.layers)
+        self._warned = False
+
+    def empty_sums(self):
+        """One float32 [3, channels] array of zeros per layer."""
+        return [jnp.zeros([3, int(layer.moving_mean.shape[0])], jnp.float32)
+                for layer in self.layers]
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Records each layer's training-mode moments in a forward pass.
+
+        Yields:
+            A list with one list per layer, to which each call appends
+            `(count, mean, variance)`, each float32 [channels].
+        """
+        records = [[] for _ in self.layers]
+        for layer, calls in zip(self.layers, records):
+            vars(layer)["_moments"] = _recording_moments(layer, calls)
+        try:
+            yield records
+        finally:
+            for layer in self.layers:
+                vars(layer).pop("_moments", None)
+
+    def moments_of(self, records):
+        """Each layer's recorded moments, or None where it is not pooled
+        (not called in training, or called more than once), from the
+        records of the traced step; notes which layers are pooled."""
+        self.pooled = [len(calls) == 1 for calls in records]
+        repeated = [layer.name for layer, calls in zip(self.layers, records)
+                    if len(calls) > 1]
+        if repeated and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"BatchNormalization layers called more than once in a "
+                f"training step move their moving statistics on each "
+                f"micro-batch on JAX: {repeated}. The TensorFlow backend "
+                "pools them per call.", stacklevel=2)
+        return [tuple(jax.lax.stop_gradient(value) for value in calls[0])
+                if pooled else None
+                for calls, pooled in zip(records, self.pooled)]
+
+    def keep_moving(self, new_values, old_values):
+        """`new_values` (the step's non-trainable values) with each pooled
+        layer's moving statistics as they were before the step."""
+        new_values = list(new_values)
+        for (mean_at, variance_at), pooled in zip(self._positions,
+                                                  self.pooled):
+            if pooled:
+                new_values[mean_at] = old_values[mean_at]
+                new_values[variance_at] = old_values[variance_at]
+        return new_values
+
+    def added(self, sums, moments, non_trainable):
+        """The window's sums with a micro-batch's moments added."""
+        added = []
+        for total, recorded, (mean_at, _) in zip(sums, moments,
+                                                 self._positions):
+            if recorded is None:
+                added.append(total)
+                continue
+            count, mean, variance = recorded
+            shift = jnp.asarray(non_trainable[mean_at], jnp.float32)
+            added.append(total + jnp.stack(arithmetic.statistics_terms(
+                count, jnp.asarray(mean, jnp.float32),
+                jnp.asarray(variance, jnp.float32), shift, JAX_OPS)))
+        return added
+
+    def moved(self, sums, non_trainable, ends=True):
+        """`non_trainable` with each pooled layer's moving statistics moved
+        once by the window's pooled moments, where `ends`."""
+        non_trainable = list(non_trainable)
+        for layer, total, (mean_at, variance_at), pooled in zip(
+                self.layers, sums, self._positions, self.pooled):
+            if not pooled:
+                continue
+            old_mean = non_trainable[mean_at]
+            old_variance = non_trainable[variance_at]
+            mean, variance = arithmetic.pooled_moving_statistics(
+                total[0], total[1], total[2],
+                jnp.asarray(old_mean, jnp.float32),
+                jnp.asarray(old_mean, jnp.float32),
+                jnp.asarray(old_variance, jnp.float32),
+                float(layer.momentum), JAX_OPS)
+            non_trainable[mean_at] = jnp.where(
+                ends, mean.astype(old_mean.dtype), old_mean)
+            non_trainable[variance_at] = jnp.where(
+                ends, variance.astype(old_variance.dtype), old_variance)
+        return non_trainable
+
+    def move_variables(self, sums, model):
+        """Moves the layers' moving statistics by the window's (eagerly)."""
+        variables = model.non_trainable_variables
+        moved = self.moved(sums, [v.value for v in variables])
+        for (mean_at, variance_at), pooled in zip(self._positions,
+                                                  self.pooled):
+            if pooled:
+                variables[mean_at].assign(moved[mean_at])
+                variables[variance_at].assign(moved[variance_at])
+
+
+def _recording_moments(layer, calls):
+    """`layer._moments` that appends what it returns to `calls`."""
+    original = type(layer)._moments.__get__(layer)
+
+    def moments(inputs, mask):
+        mean, variance = original(inputs, mask)
+        calls.append((_element_counts(layer, inputs, mask), mean, variance))
+        return mean, variance
+
+    return moments
+
+
+def _element_counts(layer, inputs, mask):
+    """Float32 [channels]: the elements each channel's moments cover (every
+    element of the reduced axes, or those the mask leaves in)."""
+    channels = int(layer.moving_mean.shape[0])
+    axes = tuple(layer._reduction_axes)
+    if mask is None:
+        count = 1
+        for axis in axes:
+            count *= inputs.shape[axis]
+        return jnp.full([channels], count, jnp.float32)
+    weights = jnp.broadcast_to(
+        jnp.expand_dims(jnp.asarray(mask, jnp.float32), -1), inputs.shape)
+    return jnp.reshape(jnp.sum(weights, axis=axes), [channels])

@@ -1,0 +1,24 @@
+"""Which normalization layers a window takes the moving statistics of, on
+every Keras 3 backend.
+
+Checked on keras 3.6.0, 3.10.0 and 3.15.1. Keras 3's `BatchNormalization`
+(`keras.src.layers.normalization.batch_normalization`), in a training call
+of a trainable layer without `renorm`, takes the batch's moments from its
+private `_moments(inputs, mask)` and then moves `moving_mean` and
+`moving_variance` once each; each backend's module (`tensorflow_normalization`,
+`jax_normalization`) records those moments and suppresses the moves.
+"""
+
+import keras
+
+__all__ = ["pools_moving_statistics"]
+
+
+def pools_moving_statistics(layer):
+    """Whether a window takes over `layer`'s moving statistics."""
+    return (
+        isinstance(layer, keras.layers.BatchNormalization)
+        and type(layer).call is keras.layers.BatchNormalization.call
+        and not getattr(layer, "renorm", False)
+        and callable(getattr(layer, "_moments", None))
+    )
