@@ -13,6 +13,7 @@ import warnings
 
 from accum_model._chooser import adapter
 from accum_model.core import class_tree
+from accum_model.core.messages import names_in_brief
 from accum_model.core.messages import warn_once
 from accum_model.core.variables import flatten
 from accum_model.core.variables import is_overwritten_with_gradient
@@ -318,14 +319,16 @@ def warn_if_batch_statistics_differ(model, warn):
     for layer in training:
         pools = not own_step and adapter.pools_moving_statistics(layer)
         (pooled if pools else unpooled).append(layer.name)
-    pooled, unpooled = sorted(pooled), sorted(unpooled)
+    listing = ("`[l.name for l in model._flatten_layers() if isinstance(l, "
+               "keras.layers.BatchNormalization)]`")
     choices = (
         "Freeze them (`layer.trainable = False`, as fine-tuning does), use "
         "GroupNormalization or LayerNormalization, or accept the difference."
     )
     if pooled:
         warn(
-            f"BatchNormalization layers {pooled} train on micro-batches: "
+            f"BatchNormalization layers "
+            f"{names_in_brief(sorted(pooled), listing)} train on micro-batches: "
             "their moving mean and variance are the large batch's (the "
             "window moves them once, from its pooled statistics), but each "
             "micro-batch is normalised with its own statistics in the "
@@ -338,8 +341,9 @@ def warn_if_batch_statistics_differ(model, warn):
             if own_step else "this Keras or this layer configuration"
         )
         warn(
-            f"BatchNormalization layers {unpooled} train on micro-batches: "
-            "each normalises with its micro-batch's own statistics and, in "
+            f"BatchNormalization layers "
+            f"{names_in_brief(sorted(unpooled), listing)} train on "
+            "micro-batches: each normalises with its micro-batch's own statistics and, in "
             f"{where}, moves its moving mean and variance once per "
             "micro-batch, so they are not the large batch's and the window "
             "is not exact. " + choices

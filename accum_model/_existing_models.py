@@ -25,6 +25,10 @@ def accumulating(model, n_gradients, flush_each_epoch=True,
     `AccumulatingModel` and loads as one, settings included. A model of any
     other class saves as that class; call `accumulating` again after loading.
 
+    Called on a model that already accumulates, it gives the model these
+    settings, as setting `model.n_gradients` and the others does: at a
+    window boundary only.
+
     Args:
         model: A `keras.Model`.
         n_gradients: Int >= 1, micro-batches per optimizer update, or a
@@ -37,8 +41,8 @@ def accumulating(model, n_gradients, flush_each_epoch=True,
         `model`, now an instance of `AccumulatingModel` as well.
 
     Raises:
-        ValueError: `model` already accumulates with other settings, or has
-            a window open.
+        ValueError: A setting is out of range, or `model` has a window open
+            (`model.apply_open_window()` first) and the settings differ.
     """
     settings = Settings(n_gradients, flush_each_epoch, accumulator_dtype,
                         measure_noise_scale)

@@ -18,7 +18,7 @@ from accum_model.core.settings import Settings
 from accum_model.core.settings import n_gradients_from_config
 
 
-def _setting(name, summary, settable=True):
+def _setting(name, summary):
     """A property of the model for the accumulation setting `name`."""
 
     def get(model):
@@ -28,8 +28,8 @@ def _setting(name, summary, settable=True):
         model._accumulate_with(model._settings_with(**{name: value}))
 
     doc = summary + ("\n\nMay be set between `fit()` calls while no window "
-                     "is open." if settable else "")
-    return property(get, set_ if settable else None, doc=doc)
+                     "is open (`ValueError` otherwise).")
+    return property(get, set_, doc=doc)
 
 
 @keras.saving.register_keras_serializable(package="accum_model")
@@ -201,8 +201,9 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
         "Bool. Whether the window open at an epoch's end is applied then.",
     )
     accumulator_dtype = _setting(
-        "accumulator_dtype", "Str. The dtype the gradients are summed in.",
-        settable=False,
+        "accumulator_dtype",
+        "Str. The dtype the gradients are summed in (a new dtype builds the "
+        "accumulators anew at the next step).",
     )
     measure_noise_scale = _setting(
         "measure_noise_scale",

@@ -238,6 +238,41 @@ def test_n_gradients_cannot_change_with_a_window_open():
     assert model.n_gradients == 2
 
 
+def test_accumulator_dtype_set_between_fits_builds_the_window_anew():
+    x, y = regression_data(samples=32)
+    model = mlp(AccumulatingModel, n_gradients=2)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    float32_bytes = model.accumulator_bytes
+    model.accumulator_dtype = "bfloat16"
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert model.accumulator_dtype == "bfloat16"
+    assert model.accumulator_bytes == float32_bytes // 2
+    assert iterations(model) == 4
+    model.train_on_batch(x[:8], y[:8])
+    with pytest.raises(ValueError, match="apply_open_window"):
+        model.accumulator_dtype = "float32"
+    with pytest.raises(ValueError, match="accumulator_dtype"):
+        model.accumulator_dtype = "int8"
+
+
+def test_accumulating_an_accumulating_model_changes_its_settings_alike():
+    from accum_model import accumulating
+
+    x, y = regression_data(samples=64)
+    model = mlp(AccumulatingModel, n_gradients=2)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert accumulating(model, n_gradients=4) is model
+    assert model.n_gradients == 4
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert iterations(model) == 4 + 2
+    model.train_on_batch(x[:8], y[:8])
+    with pytest.raises(ValueError, match="apply_open_window"):
+        accumulating(model, n_gradients=2)
+    assert model.n_gradients == 4
+
+
 class _LossAtEpochEnd(keras.callbacks.Callback):
     """The mean squared error of all the data at each epoch's end, and the
     updates applied by then."""

@@ -179,3 +179,38 @@ def test_a_window_restored_from_a_checkpoint_is_continued_quietly(tmp_path):
     resumed.load_weights(path)
     assert resumed._accumulation.open_micro_steps() == 1
     assert not [m for m in _fit_messages(resumed, x, y) if "left open" in m]
+
+
+def _stacked_bn(count):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((4,))
+    hidden = inputs
+    for index in range(count):
+        hidden = keras.layers.BatchNormalization(name=f"bn_{index}")(
+            keras.layers.Dense(4)(hidden))
+    return AccumulatingModel(inputs, keras.layers.Dense(1)(hidden),
+                             n_gradients=2)
+
+
+def test_a_warning_points_at_the_users_fit_line():
+    x, y = regression_data(samples=16, features=4, outputs=1)
+    model = _stacked_bn(1)
+    model.compile(optimizer="sgd", loss="mse")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=4, verbose=0)
+    told = [w for w in caught if "BatchNormalization" in str(w.message)]
+    assert told
+    assert {w.filename for w in told} == {__file__}
+
+
+def test_many_layers_are_named_by_count_and_a_few():
+    x, y = regression_data(samples=16, features=4, outputs=1)
+    model = _stacked_bn(6)
+    model.compile(optimizer="sgd", loss="mse")
+    told = [m for m in _fit_messages(model, x, y)
+            if "BatchNormalization layers" in m]
+    assert len(told) == 1
+    assert "6 (bn_0, bn_1, bn_2, ...;" in told[0]
+    assert "bn_5" not in told[0]
+    assert "_flatten_layers()" in told[0]

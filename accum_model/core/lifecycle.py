@@ -13,6 +13,7 @@ its window takes a new length.
 import warnings
 
 from accum_model.core import arithmetic
+from accum_model.core.messages import user_stacklevel
 from accum_model.core.messages import window_is_open
 
 
@@ -50,7 +51,7 @@ class WindowLifecycle:
         """Warns with `message` once for this model (later fits are quiet)."""
         if message not in self._warned:
             self._warned.add(message)
-            warnings.warn(message, stacklevel=5)
+            warnings.warn(message, stacklevel=user_stacklevel())
 
     # Settings --------------------------------------------------------------
 

@@ -1,16 +1,47 @@
 """Warnings and error texts that more than one layer gives."""
 
+import sys
 import warnings
 
 _warned = set()
 
 
-def warn_once(key, message, stacklevel=4):
-    """Warns with `message` the first time it is given for `key`."""
+# Modules a warning never points into: it points at the user's line that
+# reached them (a `fit()` call, a constructor).
+_LIBRARIES = ("accum_model", "keras", "tensorflow", "tf_keras", "jax",
+              "contextlib", "functools")
+
+
+def user_stacklevel():
+    """The `stacklevel` that makes a warning raised by this function's
+    caller point at the first frame outside accum_model and the libraries
+    under it: the user's own line."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and str(
+            frame.f_globals.get("__name__", "")).split(".")[0] in _LIBRARIES:
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def warn_once(key, message):
+    """Warns with `message` the first time it is given for `key`, pointing
+    at the user's line."""
     if (key, message) in _warned:
         return
     _warned.add((key, message))
-    warnings.warn(message, stacklevel=stacklevel)
+    warnings.warn(message, stacklevel=user_stacklevel())
+
+
+def names_in_brief(names, listing, shown=3):
+    """`names` for a message: all of a few, else a count, the first
+    `shown` and how to list the rest (`listing`)."""
+    names = list(names)
+    if len(names) <= shown + 1:
+        return str(names)
+    return (f"{len(names)} ({', '.join(names[:shown])}, ...; {listing} "
+            "lists them all)")
 
 
 def window_is_open(open_steps):
