@@ -24,6 +24,10 @@ class WindowCallback(keras.callbacks.Callback):
         epochs: Int. The `epochs` argument of `fit()`.
     """
 
+    # Its batch hook only rewrites a log entry: Keras 3 may run it off the
+    # training thread, as it runs callbacks of its own.
+    async_safe = True
+
     def __init__(self, accumulating_model, epochs):
         super().__init__()
         self.accumulating_model = accumulating_model
@@ -144,10 +148,26 @@ class WindowCallback(keras.callbacks.Callback):
         logs["noise_scale"] = (float("nan") if noise_scale is None
                                else noise_scale)
 
+    def on_train_batch_end(self, batch, logs=None):
+        if logs is not None and "skipped_windows" in logs:
+            logs["skipped_windows"] = WholeCount(logs["skipped_windows"])
+
     def log_skipped_windows(self, logs):
         model = self.accumulating_model
         if logs is not None and "skipped_windows" in logs:
-            logs["skipped_windows"] = model.skipped_windows
+            logs["skipped_windows"] = WholeCount(model.skipped_windows)
+
+
+class WholeCount(float):
+    """A count in `fit()`'s logs: a float, as Keras's logs hold, that the
+    progress bar shows as the whole number it is (Keras's `Progbar` divides
+    each value by 1 and formats it with `.4f` or `.4e`)."""
+
+    def __truediv__(self, other):
+        return WholeCount(float(self) / other)
+
+    def __format__(self, spec):
+        return str(int(self))
 
 
 class _StoppedWindowCallback(keras.callbacks.Callback):

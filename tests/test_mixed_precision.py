@@ -120,6 +120,22 @@ def test_overflow_skips_the_whole_window():
     assert all(np.all(np.isfinite(w)) for w in model.get_weights())
 
 
+@pytest.mark.parametrize("verbose", [1, 2])
+def test_the_progress_bar_shows_skipped_windows_as_a_whole_number(verbose,
+                                                                  capsys):
+    x, y = _data_with_overflow_in_second_window()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False,
+                        verbose=verbose)
+    shown = capsys.readouterr().out
+    assert "skipped_windows: 1" in shown
+    assert "skipped_windows: 1.0" not in shown
+    assert "skipped_windows: 0.0000e+00" not in shown
+    assert history.history["skipped_windows"] == [1]
+
+
 def test_scale_grows_with_updates_not_micro_batches():
     x, y = regression_data(samples=128)
     keras.mixed_precision.set_global_policy("mixed_float16")
