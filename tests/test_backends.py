@@ -73,9 +73,3 @@ def test_settings_jax_cannot_carry_are_refused_at_construction(settings,
     with pytest.raises(ValueError, match=name):
         mlp(AccumulatingModel, n_gradients=2, **settings)
 
-
-@jax_only
-def test_accumulate_gradients_is_refused_by_name():
-    model = mlp(AccumulatingModel, n_gradients=2)
-    with pytest.raises(NotImplementedError, match="KERAS_BACKEND=tensorflow"):
-        model.accumulate_gradients([], 1.0)
