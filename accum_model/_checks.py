@@ -328,12 +328,14 @@ def warn_if_batch_statistics_differ(model, warn):
     if pooled:
         warn(
             f"BatchNormalization layers "
-            f"{names_in_brief(sorted(pooled), listing)} train on micro-batches: "
-            "their moving mean and variance are the large batch's (the "
-            "window moves them once, from its pooled statistics), but each "
-            "micro-batch is normalised with its own statistics in the "
-            "forward pass, so the gradients are not the large batch's. "
-            + choices
+            f"{names_in_brief(sorted(pooled), listing)} train on "
+            "micro-batches: the window moves their moving mean and variance "
+            "once, from the micro-batches' pooled moments, which are the "
+            "large batch's for a layer with no training BatchNormalization "
+            "upstream (for the layers after one, they are the moments of "
+            "inputs normalised per micro-batch); and each micro-batch is "
+            "normalised with its own statistics in the forward pass, so the "
+            "gradients are not the large batch's. " + choices
         )
     if unpooled:
         where = (

@@ -28,7 +28,6 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from accum_model import AccumulatingModel  # noqa: E402
-from accum_model._chooser import adapter  # noqa: E402
 
 
 def build(model_class, **kwargs):
@@ -52,19 +51,16 @@ def data(samples=128):
 
 @contextlib.contextmanager
 def micro_batch_updates():
-    """BatchNormalization left to itself: a momentum step per micro-batch."""
-    original = adapter.recording_batch_statistics
+    """BatchNormalization left to itself: a momentum step per micro-batch
+    (no layer is taken over by the window; Keras 3 on TensorFlow)."""
+    from accum_model.keras3 import tensorflow_normalization as normalization
 
-    @contextlib.contextmanager
-    def record_nothing(layers):
-        del layers
-        yield []
-
-    adapter.recording_batch_statistics = record_nothing
+    original = normalization.pools_moving_statistics
+    normalization.pools_moving_statistics = lambda layer: False
     try:
         yield
     finally:
-        adapter.recording_batch_statistics = original
+        normalization.pools_moving_statistics = original
 
 
 def main():

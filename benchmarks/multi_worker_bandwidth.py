@@ -355,38 +355,52 @@ def to_markdown(results):
     return "\n".join(lines)
 
 
+LINK_NAMES = {"host": "loopback, no limit", "10gbit": "10 Gbit/s link",
+              "1gbit": "1 Gbit/s link", "100mbit": "100 Mbit/s link"}
+
+
 def plot(results, path):
+    """One panel per link: AccumulatingModel's time per micro-batch against
+    n (median, bars from the fastest to the slowest round), and plain
+    Keras's as a band over the same range."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(9, 4.8))
-    # Plain Keras does not depend on n: one dashed level per link, drawn
-    # from widest to narrowest so that equal levels stay visible.
-    links = [(i, link, summary)
-             for i, (link, summary) in enumerate(_links(results).items())
+    links = [(link, summary) for link, summary in _links(results).items()
              if "skipped" not in summary]
-    for index, link, summary in links:
-        axis.axhline(summary["rows"]["keras"]["median_ms"],
-                     color=f"C{index}", linestyle=(0, (4, 3)),
-                     linewidth=4.5 - 1.1 * index, alpha=0.6,
-                     label=f"plain Keras, {link}")
-    for index, link, summary in links:
-        axis.plot(N_VALUES,
-                  [summary["rows"][f"n={n}"]["median_ms"] for n in N_VALUES],
-                  "o-", color=f"C{index}",
-                  label=f"AccumulatingModel, {link}")
-    axis.set_xscale("log", base=2)
-    axis.set_xticks(N_VALUES, [str(n) for n in N_VALUES])
-    axis.set_yscale("log")
-    axis.set_xlabel("n_gradients (global micro-batch of 32 over 2 workers)")
-    axis.set_ylabel("time per micro-batch (ms, median)")
-    axis.set_title("2 workers, 16.8 MB gradient: time per micro-batch")
-    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
-                frameon=False)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    figure, axes = plt.subplots(1, len(links), figsize=(4 * len(links), 4.2),
+                                sharey=True, squeeze=False)
+    for axis, (link, summary) in zip(axes[0], links):
+        keras_row = summary["rows"]["keras"]
+        axis.axhspan(keras_row["min_ms"], keras_row["max_ms"], color="0.85",
+                     label="plain Keras, fastest to slowest round")
+        axis.axhline(keras_row["median_ms"], color="0.3", linestyle="--",
+                     label="plain Keras, median")
+        rows = [summary["rows"][f"n={n}"] for n in N_VALUES]
+        medians = [row["median_ms"] for row in rows]
+        axis.errorbar(
+            N_VALUES, medians,
+            yerr=[[m - row["min_ms"] for m, row in zip(medians, rows)],
+                  [row["max_ms"] - m for m, row in zip(medians, rows)]],
+            fmt="o-", color="C0", capsize=3,
+            label="AccumulatingModel, median and range")
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(N_VALUES, [str(n) for n in N_VALUES])
+        axis.set_yscale("log")
+        axis.set_yticks([50, 100, 200, 400], ["50", "100", "200", "400"])
+        axis.minorticks_off()
+        axis.set_title(LINK_NAMES.get(link, link))
+        axis.set_xlabel("n_gradients")
+    axes[0][0].set_ylabel("ms per micro-batch (lower is faster)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    figure.legend(handles, labels, fontsize=10, loc="lower center", ncol=3,
+                  frameon=False)
+    figure.suptitle("Two workers, 16.8 MB gradient: a window of n reduces "
+                    "once, plain Keras every micro-batch")
+    figure.tight_layout(rect=(0, 0.08, 1, 1))
+    figure.savefig(path, dpi=110)
 
 
 def main(argv=None):

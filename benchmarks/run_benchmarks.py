@@ -468,7 +468,7 @@ def plot(results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.8))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5.6))
     names = list(results["overhead"])
     bars = [("ratio_vs_keras", "accum_model vs keras"),
             ("noise_ratio_vs_keras", "noise scale on vs keras"),
@@ -488,11 +488,12 @@ def plot(results, path):
                  label=label)
     left.axhline(1.0, color="black", linewidth=0.8)
     left.set_xticks(range(len(names)), names)
-    left.set_ylabel("ratio of times per micro-batch (1 = as fast)")
-    left.set_title("time per micro-batch, median and quartiles")
+    left.set_ylabel("time ratio (below 1 = faster than plain Keras)")
+    left.set_title("time per micro-batch against plain Keras\n"
+                   "(median and quartiles; lower is faster)")
     left.set_ylim(0.0, 1.3)  # the whole axis, from zero
-    left.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08),
-                ncol=1, frameon=False)
+    left.legend(fontsize=10, loc="upper center", bbox_to_anchor=(0.5, -0.1),
+                ncol=2, frameon=False)
     cost = {int(k): v for k, v in results["window_cost"].items()
             if k != "fit"}
     fit = results["window_cost"]["fit"]
@@ -507,9 +508,9 @@ def plot(results, path):
     right.set_ylim(0, None)
     right.set_xticks(ns)
     right.set_xlabel("n_gradients (micro-batches per window)")
-    right.set_ylabel("time per window (ms)")
+    right.set_ylabel("time per window (ms, lower is faster)")
     right.set_title("CNN: a window costs its micro-batches")
-    right.legend(fontsize=8, loc="upper left")
+    right.legend(fontsize=10, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

@@ -301,6 +301,8 @@ class Accumulation(WindowLifecycle):
 
     def apply_open_window(self):
         """Applies the gradients of the window still open, if any."""
-        if self.window_end is None:
+        # Nothing is traced for a window that holds nothing (tracing the
+        # window's end costs seconds on a large model).
+        if self.window_end is None or self.open_micro_steps() == 0:
             return
         self.window_end.apply_open()
