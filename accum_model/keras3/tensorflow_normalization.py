@@ -77,6 +77,17 @@ class _Recorder:
 _thread = threading.local()
 
 
+def expected_statistics_calls(layers):
+    """The calls a training step of `layers`' model is expected to make of
+    the layers whose statistics it pools: one per trainable such layer, in
+    the order of `layers`. The traced step replaces them by what it finds
+    where they differ."""
+    return [StatisticsCall(layer.moving_mean, layer.moving_variance,
+                           layer.momentum, layer.name)
+            for layer in layers
+            if pools_moving_statistics(layer) and layer.trainable]
+
+
 def _recording_moments(layer):
     """`layer._moments` that records what it returns for this thread."""
     original = type(layer)._moments.__get__(layer)

@@ -21,6 +21,7 @@ import keras
 import tensorflow as tf
 from keras import tree
 
+from accum_model.core import class_tree
 from accum_model.keras3 import losses
 from accum_model.keras3 import tensorflow_normalization as normalization
 from accum_model.keras3.training import layers_of
@@ -53,6 +54,12 @@ STEPS_PER_EXECUTION_FIX = (
 class ModelDifferences:
     """What the Keras 3 `AccumulatingModel` does unlike the Keras 2 one."""
 
+    def make_train_function(self, force=False):
+        if self._accumulation.accumulates and (force
+                                               or self.train_function is None):
+            build_window_before_tracing(self)
+        return super().make_train_function(force)
+
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # A private Keras hook; see `symbolic_build_from_local_batch`.
         distributed = getattr(self, "_distribute_strategy", None) is not None
@@ -60,6 +67,30 @@ class ModelDifferences:
                 or iterator is None):
             return super()._maybe_symbolic_build(iterator, data_batch)
         symbolic_build_from_local_batch(self, iterator)
+
+
+def build_window_before_tracing(model):
+    """Builds the window's variables eagerly, before the step is traced.
+
+    A `tf.function` whose first trace creates variables is traced twice;
+    for a large model that doubles the first `fit()`'s tracing. Keras has
+    built the model and its optimizer by now, so the window is built for
+    them and for the normalization calls the built-in step is expected to
+    make; the traced step builds it anew in the rare case that it finds
+    other weights or calls (a weight created in training, a layer called
+    twice).
+    """
+    accumulation = model._accumulation
+    base = class_tree.accumulating_base(type(model))
+    if (accumulation.window is not None or not model.built
+            or type(model).train_step is not base.train_step):
+        return
+    variables = list(model.trainable_variables)
+    if not variables:
+        return
+    accumulation.ensure_state(
+        variables, model.distribute_strategy,
+        normalization.expected_statistics_calls(layers_of(model)))
 
 
 def check_strategy(model):
