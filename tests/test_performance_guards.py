@@ -2,6 +2,7 @@
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from accum_model import AccumulatingModel
@@ -31,6 +32,39 @@ def test_training_function_is_not_retraced_after_the_first_epoch():
               validation_data=(x[:16], y[:16]))
     assert 1 <= after_first_epoch <= 2
     assert TraceCounting.traces == after_first_epoch
+
+
+def _traces_of_first_fit(model_class, build, x, y, **kwargs):
+    """How often the first fit() runs the loss in Python (once per trace)."""
+    traces = []
+
+    def counting_loss(y_true, y_pred):
+        traces.append(1)
+        return keras.losses.mean_squared_error(y_true, y_pred)
+
+    model = build(model_class, **kwargs)
+    model.compile(optimizer="adam", loss=counting_loss)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    return len(traces)
+
+
+def _bn_mlp(model_class, **kwargs):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.BatchNormalization()(keras.layers.Dense(8)(inputs))
+    hidden = keras.layers.BatchNormalization()(keras.layers.Dense(8)(hidden))
+    return model_class(inputs, keras.layers.Dense(3)(hidden), **kwargs)
+
+
+@pytest.mark.filterwarnings("ignore:BatchNormalization layers")
+@pytest.mark.parametrize("build", [mlp, _bn_mlp])
+def test_the_first_fit_traces_the_step_once(build):
+    # The window's variables exist before the step is traced: a first trace
+    # that created them would make TensorFlow trace the step twice. (Plain
+    # Keras's count includes its symbolic build's call of the loss.)
+    x, y = regression_data(samples=96)
+    assert _traces_of_first_fit(AccumulatingModel, build, x, y,
+                                n_gradients=4) == 1
 
 
 def test_accumulators_hold_one_float32_copy_of_the_trainable_parameters(
