@@ -49,6 +49,11 @@ class WindowCallback(keras.callbacks.Callback):
         window_callback = cls(model, arguments.get("epochs", 1))
         late_callback = _StoppedWindowCallback(window_callback)
         callbacks = arguments.get("callbacks")
+        if arguments.get("verbose", "auto") != 0 and _progress_bar_averages():
+            progress_bar = _progress_bar_showing_counts(callbacks)
+            if progress_bar is not None:
+                callbacks = list(callbacks or []) + [progress_bar]
+                arguments["callbacks"] = callbacks
         if isinstance(callbacks, keras.callbacks.CallbackList):
             # Keras uses a CallbackList it is given as it is: the callbacks
             # get the model here, and no `params` from Keras.
@@ -158,10 +163,52 @@ class WindowCallback(keras.callbacks.Callback):
             logs["skipped_windows"] = WholeCount(model.skipped_windows)
 
 
+# Log entries that are counts: shown as they stand, never averaged.
+COUNTS = ("skipped_windows",)
+
+
+def _progress_bar_averages():
+    """Whether this Keras's progress bar shows a log entry's average over
+    the epoch's steps (keras before 3.11 and Keras 2; later Progbars take
+    `stateless_metrics` and show each entry as it stands)."""
+    return "stateless_metrics" not in inspect.signature(
+        keras.utils.Progbar).parameters
+
+
+def _progress_bar_showing_counts(callbacks):
+    """Keras's own progress bar, told that `COUNTS` are not averaged, or
+    None when the user passes a progress bar of their own."""
+    if isinstance(callbacks, keras.callbacks.CallbackList) or any(
+            isinstance(c, keras.callbacks.ProgbarLogger)
+            for c in callbacks or []):
+        return None
+    parameters = inspect.signature(keras.callbacks.ProgbarLogger).parameters
+    if "stateful_metrics" in parameters:
+        # Keras 2: what its CallbackList itself would add, plus the counts.
+        return keras.callbacks.ProgbarLogger(count_mode="steps",
+                                             stateful_metrics=list(COUNTS))
+    return _CountingProgbarLogger()
+
+
+class _CountingProgbarLogger(keras.callbacks.ProgbarLogger):
+    """Keras 3's progress bar, with `COUNTS` among its Progbar's stateful
+    metrics (private `_maybe_init_progbar`, checked on keras 3.6 and 3.10)."""
+
+    # As async-safe as the ProgbarLogger Keras adds itself.
+    async_safe = True
+
+    def _maybe_init_progbar(self):
+        super()._maybe_init_progbar()
+        stateful = getattr(self.progbar, "stateful_metrics", None)
+        if isinstance(stateful, set):
+            stateful.update(COUNTS)
+
+
 class WholeCount(float):
     """A count in `fit()`'s logs: a float, as Keras's logs hold, that the
-    progress bar shows as the whole number it is (Keras's `Progbar` divides
-    each value by 1 and formats it with `.4f` or `.4e`)."""
+    progress bar shows as the whole number it is (keras 3.15's `Progbar`
+    divides each value by 1 and formats it with `.4f` or `.4e`; older ones
+    convert it to a float first, and show `1.0000`)."""
 
     def __truediv__(self, other):
         return WholeCount(float(self) / other)

@@ -181,8 +181,11 @@ def compiled_jax_step(model, distribution, x, y, batch_size=8):
             trainable_variables=True, non_trainable_variables=True,
             optimizer_variables=True, metrics_variables=True)
         data = _distribute_data((x[:batch_size], y[:batch_size]))
-        step = jax.jit(model.train_step,
-                       out_shardings=(None, model._get_state_sharding_spec()))
+        # Keras before 3.11 jits without out_shardings (its step constrains
+        # the layout itself).
+        step = jax.jit(model.train_step, out_shardings=(
+            None, model._get_state_sharding_spec()
+            if hasattr(keras.Model, "_get_state_sharding_spec") else None))
         return step.lower(state, data).compile().as_text()
 
 

@@ -130,10 +130,17 @@ def test_the_progress_bar_shows_skipped_windows_as_a_whole_number(verbose,
     history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False,
                         verbose=verbose)
     shown = capsys.readouterr().out
-    assert "skipped_windows: 1" in shown
-    assert "skipped_windows: 1.0" not in shown
-    assert "skipped_windows: 0.0000e+00" not in shown
     assert history.history["skipped_windows"] == [1]
+    # The count as it stands, never an average over the epoch's steps;
+    # Progbars before keras 3.11 format every value as a float.
+    import inspect
+
+    if "stateless_metrics" in inspect.signature(
+            keras.utils.Progbar).parameters:
+        assert "skipped_windows: 1\n" in shown + "\n"
+        assert "skipped_windows: 1.0" not in shown
+    else:
+        assert shown.rstrip().endswith("skipped_windows: 1.0000")
 
 
 def test_scale_grows_with_updates_not_micro_batches():

@@ -150,6 +150,15 @@ def accumulating_train_step(model, state, data):
             or accumulation.loss_scaling.active):
         # An overflow must never pass silently: show the count.
         logs = {**logs, "skipped_windows": window.skipped_windows}
+    enforce = getattr(model, "_enforce_jax_state_sharding", None)
+    if enforce is not None and accumulation.window_sharding is not None:
+        # keras before 3.11 (checked on 3.10.0) jits the step without
+        # out_shardings; its own step constrains the state's layout instead.
+        trainable, non_trainable, optimizer_values, metrics_values = enforce(
+            list(trainable), list(non_trainable), list(optimizer_values),
+            list(metrics_values))
+        window = jax.lax.with_sharding_constraint(
+            window, accumulation.window_sharding)
     return logs, (trainable, non_trainable,
                   optimizer_values + [window], metrics_values)
 
@@ -252,6 +261,7 @@ class ModelDifferences:
             # Read before Keras purges the variables' values.
             window_sharding = window.sharding(
                 v.value.sharding for v in self.trainable_variables)
+        self._accumulation.window_sharding = window_sharding
         state = super()._get_jax_state(
             trainable_variables=trainable_variables,
             non_trainable_variables=non_trainable_variables,

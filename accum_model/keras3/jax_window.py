@@ -138,6 +138,9 @@ class Accumulation(WindowLifecycle):
         # The layers whose moving statistics the window pools (set when
         # the window is built).
         self.statistics = None
+        # The window's layout under `keras.distribution` (set as the step's
+        # state is gathered), else None.
+        self.window_sharding = None
 
     # What `WindowLifecycle` asks of a backend --------------------------------
 
