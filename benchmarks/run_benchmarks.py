@@ -12,10 +12,12 @@ Run: python benchmarks/run_benchmarks.py            (about 15 minutes, 2 cores)
 `--device gpu` runs the GPU suite instead: a ResNet-50 on synthetic
 224x224 images, plain Keras at micro-batch b and at n*b against
 `AccumulatingModel` at b with n_gradients=n, in float32, mixed_float16 and
-float32 with `jit_compile=True`; time per micro-batch and peak GPU memory
-(`tf.config.experimental.get_memory_info`), each configuration in a fresh
+float32 with `jit_compile=True` (on JAX: float32, mixed_float16 and
+mixed_bfloat16); time per micro-batch and peak GPU memory
+(`tf.config.experimental.get_memory_info`; on JAX the device's
+`memory_stats()`, warm-up included), each configuration in a fresh
 process. Results go to `gpu_results.md` / `gpu_results.json`, with the
-device's name.
+device's name (`--backend jax --device gpu` under `jax/`).
 """
 
 import argparse
@@ -264,7 +266,34 @@ def memory(large_batch, n):
 # The GPU suite ----------------------------------------------------------------
 
 
-GPU_PRECISIONS = ("float32", "mixed_float16", "float32+jit")
+# On JAX every step is compiled by XLA: no "+jit" row there.
+GPU_PRECISIONS = (("float32", "mixed_float16", "float32+jit")
+                  if BACKEND == "tensorflow"
+                  else ("float32", "mixed_float16", "mixed_bfloat16"))
+
+
+def _device_scope(device):
+    if BACKEND == "tensorflow":
+        return tf.device(device)
+    import contextlib
+
+    return contextlib.nullcontext()  # JAX places on its first device
+
+
+def _reset_peak_memory(device):
+    if BACKEND == "tensorflow":
+        tf.config.experimental.reset_memory_stats(device)
+    # JAX keeps no resettable peak: its figure includes the warm-up, which
+    # runs the same configuration.
+
+
+def _peak_memory_bytes(device):
+    if BACKEND == "tensorflow":
+        return tf.config.experimental.get_memory_info(device)["peak"]
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
 
 
 def gpu_child(config):
@@ -273,11 +302,10 @@ def gpu_child(config):
     device = spec["device"]
     precision = spec["precision"]
     keras.mixed_precision.set_global_policy(
-        "mixed_float16" if precision == "mixed_float16" else "float32"
-    )
+        precision if precision.startswith("mixed") else "float32")
     size, batch, n = spec["image_size"], spec["batch"], spec["n_gradients"]
     steps = spec["steps"]
-    with tf.device(device):
+    with _device_scope(device):
         keras.utils.set_random_seed(0)
         backbone = keras.applications.ResNet50(
             weights=None, input_shape=(size, size, 3), classes=1000
@@ -299,12 +327,11 @@ def gpu_child(config):
                   batch_size=batch, epochs=1, verbose=0)
         on_gpu = device.upper().startswith("GPU")
         if on_gpu:
-            tf.config.experimental.reset_memory_stats(device)
+            _reset_peak_memory(device)
         start = time.perf_counter()
         model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
         seconds = (time.perf_counter() - start) / steps
-        peak = (tf.config.experimental.get_memory_info(device)["peak"]
-                if on_gpu else None)
+        peak = _peak_memory_bytes(device) if on_gpu else None
     print(json.dumps({
         "ms_per_micro_batch": 1000 * seconds,
         "peak_mib": None if peak is None else peak / 2**20,
@@ -328,7 +355,8 @@ def gpu_suite(args, device="GPU:0"):
                     "image_size": args.gpu_image_size, "batch": batch,
                     "n_gradients": n_value, "steps": batch_steps}
             output = subprocess.run(
-                [sys.executable, __file__, "--gpu-child", json.dumps(spec)],
+                [sys.executable, __file__, "--backend", BACKEND,
+                 "--gpu-child", json.dumps(spec)],
                 capture_output=True, text=True, timeout=1800,
             )
             if output.returncode:
@@ -343,6 +371,26 @@ def gpu_suite(args, device="GPU:0"):
             print(precision, label, results[f"{precision} | {label}"],
                   flush=True)
     return results
+
+
+def _gpu_machine():
+    """The first GPU's name and the stack, or exits saying none is seen."""
+    if BACKEND == "jax":
+        import jax
+
+        gpus = [d for d in jax.devices() if d.platform == "gpu"]
+        if not gpus:
+            sys.exit("--device gpu: JAX sees no GPU on this machine")
+        name, stack = gpus[0].device_kind, f"jax {jax.__version__}"
+    else:
+        gpus = tf.config.list_physical_devices("GPU")
+        if not gpus:
+            sys.exit("--device gpu: TensorFlow sees no GPU on this machine")
+        details = tf.config.experimental.get_device_details(gpus[0])
+        name = details.get("device_name", "GPU")
+        stack = f"tensorflow {tf.__version__}"
+    return (f"{name}, {stack}, keras {keras.__version__}, Python "
+            f"{platform.python_version()}")
 
 
 def gpu_report(results, machine, command, out):
@@ -554,17 +602,8 @@ def main():
         return
     if args.backend == "jax" and args.out == DEFAULT_OUT:
         args.out = os.path.join(DEFAULT_OUT, "jax")
-    if args.device == "gpu" and args.backend != "tensorflow":
-        sys.exit("--device gpu: the GPU suite runs on the TensorFlow backend "
-                 "only so far")
     if args.device == "gpu":
-        gpus = tf.config.list_physical_devices("GPU")
-        if not gpus:
-            sys.exit("--device gpu: TensorFlow sees no GPU on this machine")
-        details = tf.config.experimental.get_device_details(gpus[0])
-        machine = (f"{details.get('device_name', 'GPU')}, tensorflow "
-                   f"{tf.__version__}, keras {keras.__version__}, Python "
-                   f"{platform.python_version()}")
+        machine = _gpu_machine()
         os.makedirs(args.out, exist_ok=True)
         results = gpu_suite(args)
         gpu_report(results, machine, "python " + " ".join(
