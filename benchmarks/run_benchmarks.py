@@ -10,7 +10,8 @@ Run: python benchmarks/run_benchmarks.py            (about 15 minutes, 2 cores)
          (the CPU table on Keras 3's JAX backend; results under jax/)
 
 `--device gpu` runs the GPU suite instead: a ResNet-50 on synthetic
-224x224 images, plain Keras at micro-batch b and at n*b against
+224x224 images and keras-hub's GPT-2 small causal LM (from a config, on
+random sequences of 512 tokens; needs keras-hub), plain Keras at micro-batch b and at n*b against
 `AccumulatingModel` at b with n_gradients=n, in float32, mixed_float16 and
 float32 with `jit_compile=True` (on JAX: float32, mixed_float16 and
 mixed_bfloat16); time per micro-batch and peak GPU memory
@@ -307,24 +308,31 @@ def gpu_child(config):
     steps = spec["steps"]
     with _device_scope(device):
         keras.utils.set_random_seed(0)
-        backbone = keras.applications.ResNet50(
-            weights=None, input_shape=(size, size, 3), classes=1000
-        )
-        model_class = AccumulatingModel if n > 1 else keras.Model
-        kwargs = {"n_gradients": n} if n > 1 else {}
-        model = model_class(inputs=backbone.inputs,
-                            outputs=backbone.outputs, **kwargs)
+        rng = np.random.default_rng(0)
+        if spec.get("model") == "causal_lm":
+            model, x, y = _causal_lm(spec, batch * steps, rng)
+        else:
+            backbone = keras.applications.ResNet50(
+                weights=None, input_shape=(size, size, 3), classes=1000
+            )
+            model = keras.Model(inputs=backbone.inputs,
+                                outputs=backbone.outputs)
+            x = rng.random((batch * steps, size, size, 3), dtype="float32")
+            y = rng.integers(0, 1000, size=len(x)).astype("int32")
+        if n > 1:
+            from accum_model import accumulating
+
+            model = accumulating(model, n_gradients=n)
         model.compile(
             optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-            loss=keras.losses.SparseCategoricalCrossentropy(),
+            loss=keras.losses.SparseCategoricalCrossentropy(
+                from_logits=spec.get("model") == "causal_lm"),
             jit_compile=precision.endswith("+jit"),
         )
-        rng = np.random.default_rng(0)
-        x = rng.random((batch * steps, size, size, 3), dtype="float32")
-        y = rng.integers(0, 1000, size=len(x)).astype("int32")
         # Warm-up: traces and compiles; not timed.
-        model.fit(x[:batch * max(n, 2)], y[:batch * max(n, 2)],
-                  batch_size=batch, epochs=1, verbose=0)
+        warm_up = batch * max(n, 2)
+        model.fit(keras.tree.map_structure(lambda a: a[:warm_up], x),
+                  y[:warm_up], batch_size=batch, epochs=1, verbose=0)
         on_gpu = device.upper().startswith("GPU")
         if on_gpu:
             _reset_peak_memory(device)
@@ -340,12 +348,35 @@ def gpu_child(config):
     }))
 
 
+def _causal_lm(spec, samples, rng):
+    """A keras-hub GPT-2 causal LM built from a config (no download), and
+    random token sequences; `spec["lm"]` sizes it (GPT-2 small by default:
+    12 layers, width 768, vocabulary 50257, sequences of 512)."""
+    import keras_hub
+
+    size = {"vocabulary_size": 50257, "num_layers": 12, "num_heads": 12,
+            "hidden_dim": 768, "intermediate_dim": 3072,
+            "max_sequence_length": 512, **spec.get("lm", {})}
+    backbone = keras_hub.models.GPT2Backbone(dropout=0.0, **size)
+    model = keras_hub.models.GPT2CausalLM(backbone=backbone,
+                                          preprocessor=None)
+    length = size["max_sequence_length"]
+    tokens = rng.integers(1, size["vocabulary_size"],
+                          size=(samples, length + 1)).astype("int32")
+    x = {"token_ids": tokens[:, :-1],
+         "padding_mask": np.ones((samples, length), bool)}
+    return model, x, tokens[:, 1:]
+
+
 def gpu_suite(args, device="GPU:0"):
-    """Every precision x {keras b, keras n*b, accum_model b x n}."""
-    micro, n = args.gpu_micro_batch, args.gpu_n_gradients
+    """Every model x precision x {keras b, keras n*b, accum_model b x n}."""
+    n = args.gpu_n_gradients
     steps = 4 * n if args.quick else 16 * n
     results = {}
-    for precision in GPU_PRECISIONS:
+    for model_name, micro, precision in [
+            (m, b, p) for m, b in (("resnet50", args.gpu_micro_batch),
+                                   ("causal_lm", args.gpu_lm_micro_batch))
+            for p in GPU_PRECISIONS]:
         for label, batch, n_value, batch_steps in (
             (f"keras, batch {micro}", micro, 1, steps),
             (f"keras, batch {micro * n}", micro * n, 1, steps // n),
@@ -353,23 +384,24 @@ def gpu_suite(args, device="GPU:0"):
         ):
             spec = {"device": device, "precision": precision,
                     "image_size": args.gpu_image_size, "batch": batch,
-                    "n_gradients": n_value, "steps": batch_steps}
+                    "n_gradients": n_value, "steps": batch_steps,
+                    "model": model_name}
+            key = f"{model_name}, {precision} | {label}"
             output = subprocess.run(
                 [sys.executable, __file__, "--backend", BACKEND,
                  "--gpu-child", json.dumps(spec)],
                 capture_output=True, text=True, timeout=1800,
             )
             if output.returncode:
-                results[f"{precision} | {label}"] = {
+                results[key] = {
                     "error": output.stderr.strip().splitlines()[-1][:200]
                 }
             else:
                 result = json.loads(output.stdout.strip().splitlines()[-1])
                 # Per sample, so that b and n*b compare directly.
                 result["ms_per_sample"] = result["ms_per_micro_batch"] / batch
-                results[f"{precision} | {label}"] = result
-            print(precision, label, results[f"{precision} | {label}"],
-                  flush=True)
+                results[key] = result
+            print(key, results[key], flush=True)
     return results
 
 
@@ -397,9 +429,11 @@ def gpu_report(results, machine, command, out):
     lines = [
         "# accum_model GPU benchmark", "",
         f"Machine: {machine}", f"Command: `{command}`", "",
-        "ResNet-50 (weights=None), synthetic images, SGD with momentum; "
-        "each row a fresh process; time after a traced warm-up.", "",
-        "| precision | configuration | ms per micro-batch | ms per sample | "
+        "ResNet-50 (weights=None) on synthetic images, and keras-hub's "
+        "GPT2CausalLM (GPT-2 small from a config) on random sequences of "
+        "512 tokens; SGD with momentum; each row a fresh process; time "
+        "after a traced warm-up.", "",
+        "| model, precision | configuration | ms per micro-batch | ms per sample | "
         "peak GPU memory (MiB) | accumulators (MiB) |",
         "|---|---|---|---|---|---|",
     ]
@@ -588,6 +622,9 @@ def main():
     parser.add_argument("--gpu-micro-batch", type=int, default=64)
     parser.add_argument("--gpu-n-gradients", type=int, default=4)
     parser.add_argument("--gpu-image-size", type=int, default=224)
+    parser.add_argument("--gpu-lm-micro-batch", type=int, default=8,
+                        help="micro-batch of the causal LM (sequences of "
+                             "512 tokens)")
     parser.add_argument("--gpu-child", help=argparse.SUPPRESS)
     parser.add_argument("--replot", action="store_true",
                         help="rewrite results.md and results.png from "
