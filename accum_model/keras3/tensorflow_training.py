@@ -24,6 +24,7 @@ from keras import tree
 from accum_model.core import class_tree
 from accum_model.keras3 import losses
 from accum_model.keras3 import tensorflow_normalization as normalization
+from accum_model.keras3.saving import Functional
 from accum_model.keras3.training import layers_of
 from accum_model.tensorflow import training as tf_training
 from accum_model.tensorflow.accumulation import Accumulation
@@ -73,16 +74,20 @@ def build_window_before_tracing(model):
     """Builds the window's variables eagerly, before the step is traced.
 
     A `tf.function` whose first trace creates variables is traced twice;
-    for a large model that doubles the first `fit()`'s tracing. Keras has
-    built the model and its optimizer by now, so the window is built for
-    them and for the normalization calls the built-in step is expected to
-    make; the traced step builds it anew in the rare case that it finds
-    other weights or calls (a weight created in training, a layer called
-    twice).
+    for a large model that doubles the first `fit()`'s tracing. A built
+    functional model has all its weights, so the optimizer (if Keras has
+    not built it yet) and the window are built for them and for the
+    normalization calls the built-in step is expected to make; the traced
+    step builds the window anew in the rare case that it finds other calls
+    (a layer called twice).
     """
     accumulation = model._accumulation
     base = class_tree.accumulating_base(type(model))
+    # A functional model has every weight once built; another (a subclass)
+    # may create some in its first training call, which must come before
+    # the optimizer is built: the traced step builds both then.
     if (accumulation.window is not None or not model.built
+            or not isinstance(model, Functional)
             or type(model).train_step is not base.train_step):
         return
     variables = list(model.trainable_variables)
