@@ -143,12 +143,11 @@ def check_micro_batches_split_evenly(fit_arguments):
 
 def _samples_in(x):
     """The number of samples in array data, or None for other data."""
-    for value in flatten(x):
-        shape = getattr(value, "shape", None)
-        if shape is not None and len(shape) > 0 and shape[0] is not None:
-            return int(shape[0])
+    values = flatten(x)
+    shape = getattr(values[0], "shape", None) if values else None
+    if not shape or shape[0] is None:
         return None
-    return None
+    return int(shape[0])
 
 
 def check_steps_per_execution(model):
@@ -345,7 +344,8 @@ def warn_if_batch_statistics_differ(model, warn):
         warn(
             f"BatchNormalization layers "
             f"{names_in_brief(sorted(unpooled), listing)} train on "
-            "micro-batches: each normalises with its micro-batch's own statistics and, in "
+            "micro-batches: each normalises with its micro-batch's own "
+            "statistics and, in "
             f"{where}, moves its moving mean and variance once per "
             "micro-batch, so they are not the large batch's and the window "
             "is not exact. " + choices

@@ -433,7 +433,8 @@ def gpu_report(results, machine, command, out):
         "GPT2CausalLM (GPT-2 small from a config) on random sequences of "
         "512 tokens; SGD with momentum; each row a fresh process; time "
         "after a traced warm-up.", "",
-        "| model, precision | configuration | ms per micro-batch | ms per sample | "
+        "| model, precision | configuration | ms per micro-batch | "
+        "ms per sample | "
         "peak GPU memory (MiB) | accumulators (MiB) |",
         "|---|---|---|---|---|---|",
     ]

@@ -39,6 +39,8 @@ import numpy as np  # noqa: E402
 
 from accum_model import AccumulatingModel  # noqa: E402
 from accum_model import accumulating  # noqa: E402
+# The same switch as the single-layer benchmark beside this one.
+from batch_normalization import micro_batch_updates  # noqa: E402
 
 
 def mobilenet_v2(model_class, **kwargs):
@@ -77,20 +79,6 @@ def data(samples, seed):
     x = (rng.normal(size=(samples, 32, 32, 3)) * 0.5 + 0.5).astype("float32")
     y = rng.integers(0, 10, size=samples)
     return x, y
-
-
-@contextlib.contextmanager
-def micro_batch_updates():
-    """BatchNormalization left to itself: a momentum step per micro-batch
-    (no layer is taken over by the window; Keras 3 on TensorFlow)."""
-    from accum_model.keras3 import tensorflow_normalization as normalization
-
-    original = normalization.pools_moving_statistics
-    normalization.pools_moving_statistics = lambda layer: False
-    try:
-        yield
-    finally:
-        normalization.pools_moving_statistics = original
 
 
 def batch_norms(model):

@@ -126,10 +126,11 @@ class PooledStatistics:
                 continue
             old_mean = non_trainable[mean_at]
             old_variance = non_trainable[variance_at]
+            # The sums were shifted by the moving mean the window started
+            # with, which is still the moving mean now.
+            shift = jnp.asarray(old_mean, jnp.float32)
             mean, variance = arithmetic.pooled_moving_statistics(
-                total[0], total[1], total[2],
-                jnp.asarray(old_mean, jnp.float32),
-                jnp.asarray(old_mean, jnp.float32),
+                total[0], total[1], total[2], shift, shift,
                 jnp.asarray(old_variance, jnp.float32),
                 float(layer.momentum), JAX_OPS)
             non_trainable[mean_at] = jnp.where(

@@ -55,12 +55,12 @@ from accum_model.keras3.jax_window import WindowState
 from accum_model.keras3.jax_window import end_window
 
 __all__ = ["END_OF_DATA_ERRORS", "ModelDifferences", "STEPS_PER_EXECUTION_FIX",
-           "accumulate_gradients", "accumulating_train_step", "batch_split_ways",
-           "check_strategy", "default_micro_batch_weight",
+           "accumulate_gradients", "accumulating_train_step",
+           "batch_split_ways", "check_strategy", "default_micro_batch_weight",
            "executions_stop_cleanly_at_end_of_data",
            "foreign_variables_in_graph", "is_foreign_layer",
-           "logs_for_reduction", "recording_batch_statistics", "replicas_in_sync",
-           "stateless_accumulate_gradients"]
+           "logs_for_reduction", "recording_batch_statistics",
+           "replicas_in_sync", "stateless_accumulate_gradients"]
 
 # Keras's JAX loop stops before a step when the data runs out: no step
 # raises, and none runs on an empty batch.
