@@ -20,7 +20,11 @@ ArrayOps = collections.namedtuple("ArrayOps", [
     "where", "minimum", "maximum", "zeros_like", "ones_like",
     # `(x) -> x as float32`.
     "to_float32",
-])
+    # `divide_no_nan(numerator, denominator)` as one fused operation where
+    # the backend has one (a traced TensorFlow window is smaller with it);
+    # None to build it from `where`.
+    "divide_no_nan",
+], defaults=(None,))
 
 # The smallest magnitude float16 rounds to infinity (its largest finite
 # value, 65504, plus half of its last step, 32).
@@ -31,6 +35,8 @@ def divide_no_nan(numerator, denominator, ops):
     """`numerator / denominator`, and 0 where the denominator is 0, as
     Keras's losses divide (a window whose every element is masked has a
     zero gradient and a zero loss, as the large batch has)."""
+    if ops.divide_no_nan is not None:
+        return ops.divide_no_nan(numerator, denominator)
     is_zero = denominator == 0
     safe = ops.where(is_zero, ops.ones_like(denominator), denominator)
     return ops.where(is_zero, ops.zeros_like(numerator), numerator / safe)

@@ -13,6 +13,7 @@ def _to_float32(value):
 TF_OPS = ArrayOps(
     where=tf.where, minimum=tf.minimum, maximum=tf.maximum,
     zeros_like=tf.zeros_like, ones_like=tf.ones_like, to_float32=_to_float32,
+    divide_no_nan=tf.math.divide_no_nan,
 )
 
 TF_SHAPES = ShapeOps(

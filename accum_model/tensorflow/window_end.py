@@ -85,7 +85,9 @@ class WindowEnd:
         def local_window():
             parts = [tf.stack([
                 window.weight_sum, window.sample_sum,
-                window.local_is_finite(), window.loss_sum,
+                (window.local_is_finite() if self.checks_finite
+                 else tf.constant(1.0)),
+                window.loss_sum,
             ])]
             if noise is not None:
                 parts.append(window.local_noise_estimates())
@@ -143,14 +145,7 @@ class WindowEnd:
                 lambda: window.skipped_windows.assign_add(1)
             )
 
-        def update_or_skip():
-            if self.checks_finite:
-                tf.cond(finite, replicas.without_result(update),
-                        replicas.without_result(skip))
-            else:
-                update()
-
-        def report_and_apply():
+        def report_and_move_statistics():
             # Logged whether the window is applied or skipped for overflow,
             # as Keras logs the loss of a large batch it skips.
             if self.report_loss is not None and window.tracks_loss:
@@ -162,10 +157,20 @@ class WindowEnd:
             # whether or not its update is then skipped for overflow.
             if statistics.calls:
                 replicas.for_each_replica(statistics.apply, statistics_totals)
-            update_or_skip()
 
-        tf.cond(total_samples > 0, replicas.without_result(report_and_apply),
-                replicas.do_nothing)
+        has_samples = total_samples > 0
+        tf.cond(has_samples, replicas.without_result(
+            report_and_move_statistics), replicas.do_nothing)
+        # Side by side rather than nested: each nested condition captures
+        # every gradient again, which a large model pays for in tracing.
+        if self.checks_finite:
+            tf.cond(tf.logical_and(has_samples, finite),
+                    replicas.without_result(update), replicas.do_nothing)
+            tf.cond(tf.logical_and(has_samples, tf.logical_not(finite)),
+                    replicas.without_result(skip), replicas.do_nothing)
+        else:
+            tf.cond(has_samples, replicas.without_result(update),
+                    replicas.do_nothing)
         replicas.for_each_replica(window.reset)
 
     def _fits_float16(self, total_weight, gradient_totals):
