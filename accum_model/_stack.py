@@ -1,7 +1,7 @@
 """Finds the Keras this process trains with, or refuses the stack clearly.
 
 accum_model follows the Keras that trains: Keras 3 (keras >= 3.6 on
-TensorFlow, or on JAX) or Keras 2 (TensorFlow 2.13-2.15's own Keras, or
+TensorFlow, JAX or PyTorch) or Keras 2 (TensorFlow 2.13-2.15's own Keras, or
 `tf_keras` with `TF_USE_LEGACY_KERAS=1`). Anything else is refused at import with what was
 found, what is needed, and the command that fixes it, instead of an
 unrelated error later (or a model that trains nothing).
@@ -15,7 +15,7 @@ import os
 # Keras 2 (TensorFlow 2.13's) that `accum_model.keras2` was written against.
 KERAS_FLOOR = (3, 6)
 # The Keras 3 backends an adapter exists for.
-SUPPORTED_BACKENDS = ("tensorflow", "jax")
+SUPPORTED_BACKENDS = ("tensorflow", "jax", "torch")
 KERAS_2_FLOOR = (2, 13)
 
 
@@ -31,7 +31,7 @@ def check_stack():
     if importlib.util.find_spec("keras") is None:
         raise ImportError(
             "accum_model needs Keras, and keras is not installed. Fix: pip "
-            "install 'keras>=3.6' tensorflow (or jax)"
+            "install 'keras>=3.6' tensorflow (or jax, or torch)"
         )
     import keras
     found = getattr(keras, "__version__", "unknown")
@@ -56,8 +56,8 @@ def check_stack():
             "accum_model runs on the Keras backends "
             f"{', '.join(repr(b) for b in SUPPORTED_BACKENDS)}; found "
             f"'{backend}'. Fix: export KERAS_BACKEND=tensorflow (and pip "
-            "install tensorflow), or KERAS_BACKEND=jax (and pip install "
-            "jax)"
+            "install tensorflow), KERAS_BACKEND=jax (and pip install jax) "
+            "or KERAS_BACKEND=torch (and pip install torch)"
         )
     return 3
 

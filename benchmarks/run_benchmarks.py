@@ -7,18 +7,21 @@ Run: python benchmarks/run_benchmarks.py            (about 15 minutes, 2 cores)
      python benchmarks/run_benchmarks.py --quick    (a smoke run)
      python benchmarks/run_benchmarks.py --device gpu   (on a CUDA machine)
      python benchmarks/run_benchmarks.py --backend jax --overhead-only
-         (the CPU table on Keras 3's JAX backend; results under jax/)
+         (the CPU table on Keras 3's JAX backend; results under jax/;
+         `--backend torch` for PyTorch, under torch/)
 
 `--device gpu` runs the GPU suite instead: a ResNet-50 on synthetic
 224x224 images and keras-hub's GPT-2 small causal LM (from a config, on
 random sequences of 512 tokens; needs keras-hub), plain Keras at micro-batch b and at n*b against
 `AccumulatingModel` at b with n_gradients=n, in float32, mixed_float16 and
-float32 with `jit_compile=True` (on JAX: float32, mixed_float16 and
-mixed_bfloat16); time per micro-batch and peak GPU memory
-(`tf.config.experimental.get_memory_info`; on JAX the device's
-`memory_stats()`, warm-up included), each configuration in a fresh
+float32 with `jit_compile=True` (on JAX and PyTorch: float32,
+mixed_float16 and mixed_bfloat16); time per micro-batch and peak GPU
+memory (`tf.config.experimental.get_memory_info`; on JAX the device's
+`memory_stats()`, warm-up included; on PyTorch
+`torch.cuda.max_memory_allocated()`), each configuration in a fresh
 process. Results go to `gpu_results.md` / `gpu_results.json`, with the
-device's name (`--backend jax --device gpu` under `jax/`).
+device's name (`--backend jax --device gpu` under `jax/`, `--backend
+torch` under `torch/`).
 """
 
 import argparse
@@ -41,6 +44,10 @@ if BACKEND == "jax":
     os.environ.setdefault(
         "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
         "intra_op_parallelism_threads=1")
+if BACKEND == "torch":
+    import torch  # noqa: E402
+
+    torch.set_num_threads(1)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -267,7 +274,8 @@ def memory(large_batch, n):
 # The GPU suite ----------------------------------------------------------------
 
 
-# On JAX every step is compiled by XLA: no "+jit" row there.
+# On JAX every step is compiled by XLA: no "+jit" row there; on PyTorch
+# the accumulating step runs uncompiled (torch.compile is refused).
 GPU_PRECISIONS = (("float32", "mixed_float16", "float32+jit")
                   if BACKEND == "tensorflow"
                   else ("float32", "mixed_float16", "mixed_bfloat16"))
@@ -278,12 +286,15 @@ def _device_scope(device):
         return tf.device(device)
     import contextlib
 
-    return contextlib.nullcontext()  # JAX places on its first device
+    # JAX and Keras on PyTorch place on their first GPU.
+    return contextlib.nullcontext()
 
 
 def _reset_peak_memory(device):
     if BACKEND == "tensorflow":
         tf.config.experimental.reset_memory_stats(device)
+    if BACKEND == "torch":
+        torch.cuda.reset_peak_memory_stats()
     # JAX keeps no resettable peak: its figure includes the warm-up, which
     # runs the same configuration.
 
@@ -291,6 +302,8 @@ def _reset_peak_memory(device):
 def _peak_memory_bytes(device):
     if BACKEND == "tensorflow":
         return tf.config.experimental.get_memory_info(device)["peak"]
+    if BACKEND == "torch":
+        return torch.cuda.max_memory_allocated()
     import jax
 
     stats = jax.devices()[0].memory_stats() or {}
@@ -414,6 +427,11 @@ def _gpu_machine():
         if not gpus:
             sys.exit("--device gpu: JAX sees no GPU on this machine")
         name, stack = gpus[0].device_kind, f"jax {jax.__version__}"
+    elif BACKEND == "torch":
+        if not torch.cuda.is_available():
+            sys.exit("--device gpu: PyTorch sees no GPU on this machine")
+        name = torch.cuda.get_device_name(0)
+        stack = f"torch {torch.__version__}"
     else:
         gpus = tf.config.list_physical_devices("GPU")
         if not gpus:
@@ -614,7 +632,7 @@ def main():
     parser.add_argument("--overhead-only", action="store_true",
                         help="skip the memory and window-cost parts")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
-    parser.add_argument("--backend", choices=("tensorflow", "jax"),
+    parser.add_argument("--backend", choices=("tensorflow", "jax", "torch"),
                         default="tensorflow",
                         help="the Keras 3 backend (read before Keras is "
                              "imported)")
@@ -638,8 +656,8 @@ def main():
     if args.gpu_child:
         gpu_child(args.gpu_child)
         return
-    if args.backend == "jax" and args.out == DEFAULT_OUT:
-        args.out = os.path.join(DEFAULT_OUT, "jax")
+    if args.backend != "tensorflow" and args.out == DEFAULT_OUT:
+        args.out = os.path.join(DEFAULT_OUT, args.backend)
     if args.device == "gpu":
         machine = _gpu_machine()
         os.makedirs(args.out, exist_ok=True)
@@ -692,6 +710,8 @@ def _backend_version():
         import jax
 
         return f"jax {jax.__version__}"
+    if BACKEND == "torch":
+        return f"torch {torch.__version__}"
     return f"tensorflow {tf.__version__}"
 
 

@@ -191,7 +191,7 @@ def test_a_layer_called_twice_moves_twice_per_window():
     assert max_difference(statistics(plain), statistics(model)) <= TOLERANCE
 
 
-@pytest.mark.skipif(ON_TENSORFLOW, reason="JAX only")
+@pytest.mark.skipif(ON_TENSORFLOW, reason="TensorFlow pools a layer called twice")
 def test_on_jax_a_layer_called_twice_is_warned_about():
     def build(model_class, **kwargs):
         keras.utils.set_random_seed(3)

@@ -13,7 +13,8 @@ import pytest
 from accum_model import AccumulatingModel
 from accum_model import _chooser
 from helpers import batch_norm_mlp
-from backends import ON_TENSORFLOW
+
+from backends import jax_only
 from backends import tensorflow_only
 from helpers import collective_reductions
 from helpers import compiled_jax_step
@@ -163,7 +164,7 @@ def test_windows_carried_over_epochs_count_micro_steps_with_one_scalar(
     assert counts == {"every_step": 1, "conditional": 1}
 
 
-@pytest.mark.skipif(ON_TENSORFLOW, reason="JAX's DataParallel only")
+@jax_only("keras.distribution.DataParallel")
 @pytest.mark.filterwarnings("ignore:BatchNormalization layers")
 @pytest.mark.parametrize("name", sorted(CONFIGURATIONS))
 def test_data_parallel_reduces_as_plain_keras_each_micro_step(two_replicas,

@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 
 from accum_model import AccumulatingModel
+from backends import ON_JAX
 from backends import ON_TENSORFLOW
+from backends import ON_TORCH
+from backends import jax_only
 from backends import tensorflow_only
 from helpers import iterations
 from helpers import max_weight_difference
@@ -18,6 +21,8 @@ from helpers import regression_data
 
 if ON_TENSORFLOW:
     import tensorflow as tf
+elif ON_TORCH:
+    import torch
 else:
     import jax
     import jax.numpy as jnp
@@ -210,7 +215,7 @@ class StatelessStep(AccumulatingModel):
                                 metrics_values)
 
 
-@pytest.mark.skipif(ON_TENSORFLOW, reason="JAX's stateless step only")
+@jax_only("a stateless train_step")
 @pytest.mark.parametrize("devices", [1, 2])
 def test_stateless_step_matches_large_batch(devices, two_replicas):
     # 100 samples: the last micro-batch has 4, the last window 1 of them.
@@ -227,9 +232,39 @@ def test_stateless_step_matches_large_batch(devices, two_replicas):
     assert max_weight_difference(plain, model) <= 1e-5
 
 
+class TorchStep(AccumulatingModel):
+    """A functional model whose own step is PyTorch's: `loss.backward()`,
+    then the window where Keras's step calls `optimizer.apply`."""
+
+    def train_step(self, data):
+        x, y = data
+        self.zero_grad()
+        loss = torch.mean(torch.square(self(x, training=True) - y))
+        loss.backward()
+        gradients = [v.value.grad for v in self.trainable_variables]
+        self.accumulate_gradients(gradients, weight=y.numel(),
+                                  batch_size=y.shape[0])
+        return {"loss": loss.detach()}
+
+
+@pytest.mark.skipif(not ON_TORCH, reason="PyTorch backend only: a step "
+                    "with loss.backward()")
+def test_torch_step_matches_large_batch():
+    # 100 samples: the last micro-batch has 4, the last window 1 of them.
+    x, y = regression_data(samples=100)
+    plain = _plain_large_batch(x, y, 32, lambda: keras.optimizers.Adam(0.01),
+                               epochs=2)
+    model = mlp(TorchStep, n_gradients=4)
+    model.compile(optimizer=keras.optimizers.Adam(0.01))
+    model.set_weights(mlp(keras.Model).get_weights())
+    _fit_without_warnings(model, x, y)
+    assert iterations(model) == iterations(plain) == 8
+    assert max_weight_difference(plain, model) <= 1e-5
+
+
 def test_each_backend_names_its_own_hook():
     x, y = regression_data(samples=16)
-    if ON_TENSORFLOW:
+    if not ON_JAX:
         with pytest.raises(NotImplementedError,
                            match="self.accumulate_gradients"):
             mlp(AccumulatingModel, n_gradients=2).\

@@ -6,7 +6,8 @@ import keras
 import numpy as np
 import pytest
 
-from backends import ON_TENSORFLOW
+
+from backends import jax_only
 from backends import tensorflow_only
 
 from accum_model import AccumulatingModel
@@ -66,7 +67,7 @@ def test_every_micro_batch_split_unevenly(two_replicas):
     assert max_weight_difference(plain, accumulating) <= TOLERANCE
 
 
-@pytest.mark.skipif(ON_TENSORFLOW, reason="JAX's DataParallel only")
+@jax_only("keras.distribution.DataParallel")
 @pytest.mark.parametrize("samples, batch_size", [(99, 8), (98, 7)])
 def test_data_parallel_refuses_micro_batches_it_cannot_split_equally(
         two_replicas, samples, batch_size):
@@ -84,7 +85,7 @@ def test_data_parallel_refuses_micro_batches_it_cannot_split_equally(
         np.testing.assert_array_equal(old, new)
 
 
-@pytest.mark.skipif(ON_TENSORFLOW, reason="JAX's ModelParallel only")
+@jax_only("keras.distribution.ModelParallel")
 def test_model_parallel_matches_one_device_large_batch():
     # Each kernel is cut across the two devices; the window's gradient sums
     # are laid out as their variables.

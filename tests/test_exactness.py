@@ -13,6 +13,7 @@ from helpers import mlp
 from helpers import regression_data
 from helpers import skip_unless_executions_stop_cleanly
 from backends import ON_TENSORFLOW
+from backends import ON_TORCH
 from backends import tensorflow_only
 
 if ON_TENSORFLOW:
@@ -252,6 +253,15 @@ def test_compile_modes(compile_kwargs):
     skip_unless_executions_stop_cleanly(
         compile_kwargs.get("steps_per_execution", 1))
     x, y = regression_data(samples=100)
+    if ON_TORCH and compile_kwargs.get("jit_compile"):
+        # torch.compile of the step is refused before training.
+        model = mlp(AccumulatingModel, n_gradients=4)
+        model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse",
+                      jit_compile=True)
+        with pytest.raises(ValueError, match="jit_compile=False"):
+            model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        assert iterations(model) == 0
+        return
     # The reference runs one step per call: keras 3.6's Python loop over
     # executions makes extra updates at the end of the data (10, not 8).
     plain, accumulating = fit_both(
@@ -352,6 +362,8 @@ def test_weight_regularization_counts_once_per_window():
 def _executing_eagerly(tensor):
     if ON_TENSORFLOW:
         return tf.executing_eagerly()
+    if ON_TORCH:
+        return True
     import jax
 
     return not isinstance(tensor, jax.core.Tracer)
@@ -432,3 +444,53 @@ def test_eager_window_keeps_gradients_only_some_micro_batches_have():
     assert not np.array_equal(extra_before, plain.extra.kernel.numpy())
     assert iterations(accumulating) == iterations(plain) == 2
     assert max_weight_difference(plain, accumulating) <= TOLERANCE
+
+
+def _sometimes_unused_net(base, n_gradients=None):
+    """A subclassed net whose `extra` layer the loss uses only while its
+    `uses_extra` attribute is set (a Python branch)."""
+
+    class SometimesUnused(base):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.hidden = keras.layers.Dense(8, activation="tanh")
+            self.out = keras.layers.Dense(3)
+            self.extra = keras.layers.Dense(3)
+            self.uses_extra = True
+
+        def call(self, inputs, training=False):
+            outputs = self.out(self.hidden(inputs))
+            if self.uses_extra:
+                outputs = outputs + self.extra(inputs)
+            return outputs
+
+    keras.utils.set_random_seed(22)
+    kwargs = {} if n_gradients is None else {"n_gradients": n_gradients}
+    model = SometimesUnused(**kwargs)
+    model(np.zeros((1, 6), "float32"))
+    return model
+
+
+def test_weights_the_loss_stops_using_move_as_in_the_large_batch():
+    # After one epoch with `extra`, windows in which no micro-batch gives
+    # it a gradient: the large batch's optimizer sees its gradient as the
+    # backend gives it (none, or zeros), with Adam's moments and weight
+    # decay then moving it or not; the window must do the same.
+    x, y = regression_data(samples=64)
+    make_optimizer = lambda: keras.optimizers.Adam(0.01, weight_decay=0.1)
+
+    def train(model, batch_size):
+        model.compile(optimizer=make_optimizer(), loss="mse")
+        model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False,
+                  verbose=0)
+        model.uses_extra = False
+        model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False,
+                  verbose=0)
+
+    plain = _sometimes_unused_net(keras.Model)
+    train(plain, 32)
+    model = _sometimes_unused_net(AccumulatingModel, n_gradients=4)
+    model.set_weights(_sometimes_unused_net(keras.Model).get_weights())
+    train(model, 8)
+    assert iterations(model) == iterations(plain) == 4
+    assert max_weight_difference(plain, model) <= TOLERANCE

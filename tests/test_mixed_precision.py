@@ -8,6 +8,7 @@ import pytest
 
 from accum_model import AccumulatingModel
 from backends import ON_TENSORFLOW
+from backends import jax_only
 from helpers import fit_both
 from helpers import iterations
 from helpers import max_weight_difference
@@ -361,7 +362,7 @@ def test_float8_statistics_take_the_windows_largest_value():
                                    atol=1e-6)
 
 
-@pytest.mark.skipif(ON_TENSORFLOW, reason="JAX's DataParallel only")
+@jax_only("keras.distribution.DataParallel")
 def test_float8_under_data_parallel_matches_one_device(two_replicas):
     # The step is one program over both devices: the statistics' window
     # maximum is the whole micro-batch's, as on one device.

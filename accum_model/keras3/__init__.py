@@ -6,7 +6,8 @@ through `accum_model._chooser`. Most modules here hold on every Keras 3
 backend; the training step, the window's state and saving are each
 backend's, and this package picks them as Keras picks its backend
 (`keras/src/backend/__init__.py`): `tensorflow_*` modules on TensorFlow,
-`jax_training` and `jax_window` on JAX. Each module says which Keras 3 versions its private
+`jax_training` and `jax_window` on JAX, `torch_training` on PyTorch
+(the last two sharing `stateless_window`). Each module says which Keras 3 versions its private
 details were checked on.
 """
 
@@ -55,6 +56,27 @@ if BACKEND == "jax":
     from accum_model.keras3.jax_training import recording_batch_statistics
     from accum_model.keras3.jax_training import replicas_in_sync
     from accum_model.keras3.jax_training import (
+        stateless_accumulate_gradients)
+elif BACKEND == "torch":
+    from accum_model.keras3.torch_training import END_OF_DATA_ERRORS
+    from accum_model.keras3.torch_training import STEPS_PER_EXECUTION_FIX
+    from accum_model.keras3.torch_training import Accumulation
+    from accum_model.keras3.torch_training import LossScaling
+    from accum_model.keras3.torch_training import ModelDifferences
+    from accum_model.keras3.torch_training import WindowCheckpoint
+    from accum_model.keras3.torch_training import accumulate_gradients
+    from accum_model.keras3.torch_training import accumulating_train_step
+    from accum_model.keras3.torch_training import batch_split_ways
+    from accum_model.keras3.torch_training import check_strategy
+    from accum_model.keras3.torch_training import default_micro_batch_weight
+    from accum_model.keras3.torch_training import (
+        executions_stop_cleanly_at_end_of_data)
+    from accum_model.keras3.torch_training import foreign_variables_in_graph
+    from accum_model.keras3.torch_training import is_foreign_layer
+    from accum_model.keras3.torch_training import logs_for_reduction
+    from accum_model.keras3.torch_training import recording_batch_statistics
+    from accum_model.keras3.torch_training import replicas_in_sync
+    from accum_model.keras3.torch_training import (
         stateless_accumulate_gradients)
 else:
     from accum_model.keras3.tensorflow_normalization import (

@@ -39,20 +39,18 @@ Private Keras members used, checked on keras 3.15.1 with jax 0.10.2:
 """
 
 import contextlib
-import functools
 
 import jax
 import jax.numpy as jnp
 import keras
 
-from accum_model.core import arithmetic
 from accum_model.core import class_tree
 from accum_model.core import divisor
 from accum_model.keras3 import losses
-from accum_model.keras3.jax_ops import JAX_OPS
-from accum_model.keras3.jax_ops import JAX_SHAPES
-from accum_model.keras3.jax_window import WindowState
-from accum_model.keras3.jax_window import end_window
+from accum_model.keras3 import stateless_window
+from accum_model.keras3.jax_window import window_sharding as _window_sharding
+from accum_model.keras3.stateless_ops import KERAS_SHAPES
+from accum_model.keras3.stateless_window import WindowState
 
 __all__ = ["END_OF_DATA_ERRORS", "ModelDifferences", "STEPS_PER_EXECUTION_FIX",
            "accumulate_gradients", "accumulating_train_step",
@@ -99,13 +97,13 @@ def accumulating_train_step(model, state, data):
         # This micro-batch's own mean loss; the window divides by its
         # whole weight.
         with losses.losses_not_divided_by_replicas(), \
-                losses.recording_loss_reductions(JAX_SHAPES) as reductions:
+                losses.recording_loss_reductions(KERAS_SHAPES) as reductions:
             loss, (_, _, new_metrics) = model.stateless_compute_loss(
                 trainable, new_non_trainable, metrics_values, x=x, y=y,
                 y_pred=y_pred, sample_weight=sample_weight, training=True)
         model._traced_loss_reductions = reductions
         divisor.warn_if_activity_penalty_is_masked(
-            model, y_pred, losses.get_keras_mask, JAX_SHAPES)
+            model, y_pred, losses.get_keras_mask, KERAS_SHAPES)
         # Read while `model.losses` still holds this pass's added losses.
         weight = jnp.asarray(
             model.micro_batch_weight(x, y, y_pred, sample_weight),
@@ -130,9 +128,9 @@ def accumulating_train_step(model, state, data):
     with optimizer_values_in_scope():
         gradients = model.get_unscaled_gradients(gradients)
 
-    samples = jnp.asarray(divisor.batch_size(x, JAX_SHAPES), jnp.float32)
+    samples = jnp.asarray(divisor.batch_size(x, KERAS_SHAPES), jnp.float32)
     (trainable, non_trainable, optimizer_values, window, ends, window_loss,
-     window_samples) = _add_micro_batch(
+     window_samples) = stateless_window.add_micro_batch(
         accumulation, list(trainable), optimizer_values, window, gradients,
         weight, loss, samples, non_trainable, moments)
 
@@ -163,76 +161,6 @@ def accumulating_train_step(model, state, data):
                   optimizer_values + [window], metrics_values)
 
 
-def _add_micro_batch(accumulation, trainable, optimizer_values, window,
-                     gradients, weight, loss, samples, non_trainable=None,
-                     moments=None):
-    """Adds a micro-batch (and its normalization layers' `moments`) to the
-    window and applies the window when it is due; returns the new
-    (trainable, non-trainable, optimizer values, window), whether the
-    window ended, its loss and its samples."""
-    wide = jnp.float64 if window.gradient_sums and (
-        window.gradient_sums[0].dtype == jnp.float64) else jnp.float32
-    first = window.micro_steps == 0
-    window = window._replace(
-        gradient_sums=[
-            jnp.where(first, jnp.asarray(g, jnp.float32),
-                      jnp.maximum(total, jnp.asarray(g, jnp.float32)))
-            if overwrite
-            else total + (jnp.asarray(g, wide) * weight).astype(total.dtype)
-            for total, g, overwrite in zip(
-                window.gradient_sums, gradients, accumulation.overwrite)],
-        weight_sum=window.weight_sum + weight,
-        loss_sum=window.loss_sum + arithmetic.weighted_loss(
-            jnp.asarray(loss, jnp.float32), weight, JAX_OPS),
-        sample_sum=window.sample_sum + samples,
-        micro_steps=window.micro_steps + 1,
-        **_noise_terms(accumulation, window, gradients, weight, samples),
-        steps_left_in_epoch=window.steps_left_in_epoch - 1,
-    )
-    if moments is not None:
-        window = window._replace(statistics_sums=accumulation.statistics.added(
-            window.statistics_sums, moments, non_trainable))
-    ends = jnp.logical_or(window.micro_steps >= window.length,
-                          window.steps_left_in_epoch == 0)
-    window_loss = arithmetic.window_loss(
-        window.loss_sum, window.weight_sum, accumulation.divide_by_weight,
-        JAX_OPS)
-    window_samples = window.sample_sum
-    if moments is not None:
-        # Moved whether the update is applied or skipped for overflow, as
-        # the large batch's forward pass moves them.
-        non_trainable = accumulation.statistics.moved(
-            window.statistics_sums, non_trainable, ends)
-    trainable, optimizer_values, window = jax.lax.cond(
-        ends,
-        functools.partial(end_window, accumulation),
-        lambda operands: operands,
-        (list(trainable), optimizer_values, window),
-    )
-    return (trainable, non_trainable, optimizer_values, window, ends,
-            window_loss, window_samples)
-
-
-def _noise_terms(accumulation, window, gradients, weight, samples):
-    """The window's noise sums with this micro-batch in (see the TensorFlow
-    window's `NoiseScale.add`); none when the noise scale is off."""
-    if not accumulation.settings.measure_noise_scale:
-        return {}
-    squared_norm = sum(
-        (jnp.sum(jnp.square(jnp.asarray(g, jnp.float32)))
-         for g, overwrite in zip(gradients, accumulation.overwrite)
-         if not overwrite), jnp.asarray(0.0))
-    size = weight if accumulation.divide_by_weight else samples
-    return {
-        "noise_squared_norm_sum": window.noise_squared_norm_sum
-        + arithmetic.noise_micro_batch_term(weight, squared_norm, size,
-                                            JAX_OPS),
-        "noise_weight_sum": window.noise_weight_sum + size,
-        "noise_micro_batches": window.noise_micro_batches
-        + jnp.where(size > 0, 1.0, 0.0),
-    }
-
-
 def _current(scope, variable):
     value = scope.get_current_value(variable)
     return variable.value if value is None else value
@@ -259,8 +187,8 @@ class ModelDifferences:
         if (window is not None
                 and keras.distribution.distribution() is not None):
             # Read before Keras purges the variables' values.
-            window_sharding = window.sharding(
-                v.value.sharding for v in self.trainable_variables)
+            window_sharding = _window_sharding(window, (
+                v.value.sharding for v in self.trainable_variables))
         self._accumulation.window_sharding = window_sharding
         state = super()._get_jax_state(
             trainable_variables=trainable_variables,
@@ -292,7 +220,7 @@ class ModelDifferences:
             return shardings
         trainable, non_trainable, optimizer, metrics = shardings
         return (trainable, non_trainable,
-                list(optimizer) + [window.sharding(trainable)], metrics)
+                list(optimizer) + [_window_sharding(window, trainable)], metrics)
 
     def jax_state_sync(self):
         jax_state = getattr(self, "_jax_state", None)
@@ -345,7 +273,7 @@ def replicas_in_sync(model):
 def default_micro_batch_weight(model, x, y_pred):
     """What Keras divided this micro step's loss by (inside the step)."""
     return divisor.default_weight(model, x, y_pred, losses.get_keras_mask,
-                                  JAX_SHAPES)
+                                  KERAS_SHAPES)
 
 
 def accumulate_gradients(model, gradients, weight, batch_size=None):
@@ -379,7 +307,7 @@ def stateless_accumulate_gradients(model, optimizer_variables, gradients,
             f"({len(window.gradient_sums)}). Received: {len(gradients)}")
     accumulation.divide_by_weight = True
     weight = jnp.asarray(weight, jnp.float32)
-    trainable, _, optimizer_values, window, *_ = _add_micro_batch(
+    trainable, _, optimizer_values, window, *_ = stateless_window.add_micro_batch(
         accumulation, list(trainable_variables), optimizer_variables[:-1],
         window, gradients, weight, jnp.asarray(0.0, jnp.float32), weight)
     return trainable, optimizer_values + [window]

@@ -1,11 +1,13 @@
-"""BatchNormalization's moving statistics, pooled over a window on JAX.
+"""BatchNormalization's moving statistics, pooled over a window on JAX and
+PyTorch.
 
-Checked on keras 3.15.1 with jax 0.10.2. As on TensorFlow (see
-`tensorflow_normalization`), Keras 3's `BatchNormalization`, in a training
-call of a trainable layer without `renorm`, takes the batch's moments from
-its private `_moments(inputs, mask)` and then assigns `moving_mean` and
-`moving_variance`; in Keras's stateless call those assigns become the
-step's new non-trainable values. During a micro step each pooled layer's
+Checked on keras 3.15.1 with jax 0.10.2 and torch 2.13.0. As on TensorFlow
+(see `tensorflow_normalization`), Keras 3's `BatchNormalization`, in a
+training call of a trainable layer without `renorm`, takes the batch's
+moments from its private `_moments(inputs, mask)` and then assigns
+`moving_mean` and `moving_variance`; in Keras's stateless call (JAX) those
+assigns become the step's new non-trainable values, in a stateful call
+(PyTorch) the step puts the old values back. During a micro step each pooled layer's
 moments are recorded and its new moving values replaced by the old ones;
 the window sums the moments (`core.arithmetic.statistics_terms`) and moves
 the statistics once, when it ends (`pooled_moving_statistics`), whether
@@ -19,15 +21,16 @@ each micro-batch (warned once).
 import contextlib
 import warnings
 
-import jax
-import jax.numpy as jnp
+import keras
+
+from keras import ops
 
 from accum_model.core import arithmetic
-from accum_model.keras3.jax_ops import JAX_OPS
+from accum_model.keras3.stateless_ops import KERAS_OPS
 from accum_model.keras3.normalization import pools_moving_statistics
 from accum_model.keras3.training import layers_of
 
-# Used by `jax_window`; nothing of the adapter's own.
+# Used by `stateless_window`; nothing of the adapter's own.
 __all__ = []
 
 class PooledStatistics:
@@ -52,7 +55,7 @@ class PooledStatistics:
 
     def empty_sums(self):
         """One float32 [3, channels] array of zeros per layer."""
-        return [jnp.zeros([3, int(layer.moving_mean.shape[0])], jnp.float32)
+        return [ops.zeros([3, int(layer.moving_mean.shape[0])], "float32")
                 for layer in self.layers]
 
     @contextlib.contextmanager
@@ -84,11 +87,30 @@ class PooledStatistics:
             warnings.warn(
                 f"BatchNormalization layers called more than once in a "
                 f"training step move their moving statistics on each "
-                f"micro-batch on JAX: {repeated}. The TensorFlow backend "
+                f"micro-batch on {keras.backend.backend()}: {repeated}. The "
+                "TensorFlow backend "
                 "pools them per call.", stacklevel=2)
-        return [tuple(jax.lax.stop_gradient(value) for value in calls[0])
+        return [tuple(ops.stop_gradient(value) for value in calls[0])
                 if pooled else None
                 for calls, pooled in zip(records, self.pooled)]
+
+    def kept_values(self, model):
+        """Copies of each layer's moving statistics before a stateful
+        forward pass (PyTorch), for `put_back`."""
+        variables = model.non_trainable_variables
+        return [(ops.copy(variables[mean_at].value),
+                 ops.copy(variables[variance_at].value))
+                for mean_at, variance_at in self._positions]
+
+    def put_back(self, kept, model):
+        """Gives each pooled layer its moving statistics as `kept_values`
+        copied them (after a stateful forward pass moved them)."""
+        variables = model.non_trainable_variables
+        for (mean_at, variance_at), (mean, variance), pooled in zip(
+                self._positions, kept, self.pooled):
+            if pooled:
+                variables[mean_at].assign(mean)
+                variables[variance_at].assign(variance)
 
     def keep_moving(self, new_values, old_values):
         """`new_values` (the step's non-trainable values) with each pooled
@@ -110,10 +132,10 @@ class PooledStatistics:
                 added.append(total)
                 continue
             count, mean, variance = recorded
-            shift = jnp.asarray(non_trainable[mean_at], jnp.float32)
-            added.append(total + jnp.stack(arithmetic.statistics_terms(
-                count, jnp.asarray(mean, jnp.float32),
-                jnp.asarray(variance, jnp.float32), shift, JAX_OPS)))
+            shift = ops.cast(non_trainable[mean_at], "float32")
+            added.append(total + ops.stack(arithmetic.statistics_terms(
+                count, ops.cast(mean, "float32"),
+                ops.cast(variance, "float32"), shift, KERAS_OPS)))
         return added
 
     def moved(self, sums, non_trainable, ends=True):
@@ -128,15 +150,15 @@ class PooledStatistics:
             old_variance = non_trainable[variance_at]
             # The sums were shifted by the moving mean the window started
             # with, which is still the moving mean now.
-            shift = jnp.asarray(old_mean, jnp.float32)
+            shift = ops.cast(old_mean, "float32")
             mean, variance = arithmetic.pooled_moving_statistics(
                 total[0], total[1], total[2], shift, shift,
-                jnp.asarray(old_variance, jnp.float32),
-                float(layer.momentum), JAX_OPS)
-            non_trainable[mean_at] = jnp.where(
-                ends, mean.astype(old_mean.dtype), old_mean)
-            non_trainable[variance_at] = jnp.where(
-                ends, variance.astype(old_variance.dtype), old_variance)
+                ops.cast(old_variance, "float32"),
+                float(layer.momentum), KERAS_OPS)
+            non_trainable[mean_at] = ops.where(
+                ends, ops.cast(mean, old_mean.dtype), old_mean)
+            non_trainable[variance_at] = ops.where(
+                ends, ops.cast(variance, old_variance.dtype), old_variance)
         return non_trainable
 
     def move_variables(self, sums, model):
@@ -171,7 +193,7 @@ def _element_counts(layer, inputs, mask):
         count = 1
         for axis in axes:
             count *= inputs.shape[axis]
-        return jnp.full([channels], count, jnp.float32)
-    weights = jnp.broadcast_to(
-        jnp.expand_dims(jnp.asarray(mask, jnp.float32), -1), inputs.shape)
-    return jnp.reshape(jnp.sum(weights, axis=axes), [channels])
+        return ops.full([channels], count, "float32")
+    weights = ops.broadcast_to(
+        ops.expand_dims(ops.cast(mask, "float32"), -1), inputs.shape)
+    return ops.reshape(ops.sum(weights, axis=axes), [channels])

@@ -1,31 +1,38 @@
-"""The array operations the backend-free window arithmetic runs with on JAX
-(`core.arithmetic.ArrayOps`, `core.divisor.ShapeOps`)."""
+"""The array operations of the backend-free window arithmetic on Keras 3's
+JAX and PyTorch backends (`core.arithmetic.ArrayOps`,
+`core.divisor.ShapeOps`), written with `keras.ops` so that one window runs
+inside a jitted JAX step and eagerly on PyTorch."""
 
-import jax.numpy as jnp
+import math
+
 import keras
-import numpy as np
+from keras import ops
 
 from accum_model.core import arithmetic
 from accum_model.core import divisor
 
-# Used by the JAX modules beside it; nothing of the adapter's own.
+# Used by the modules beside it; nothing of the adapter's own.
 __all__ = []
 
 
-JAX_OPS = arithmetic.ArrayOps(
-    where=jnp.where, minimum=jnp.minimum, maximum=jnp.maximum,
-    zeros_like=jnp.zeros_like, ones_like=jnp.ones_like,
-    to_float32=lambda value: jnp.asarray(value, jnp.float32),
+def to_float32(value):
+    return ops.cast(value, "float32")
+
+
+KERAS_OPS = arithmetic.ArrayOps(
+    where=ops.where, minimum=ops.minimum, maximum=ops.maximum,
+    zeros_like=ops.zeros_like, ones_like=ops.ones_like,
+    to_float32=to_float32,
 )
 
 
-JAX_SHAPES = divisor.ShapeOps(
-    convert=jnp.asarray,
-    count=lambda value: jnp.asarray(jnp.size(value), jnp.float32),
-    count_true=lambda mask: jnp.sum(jnp.asarray(mask, jnp.float32)),
-    first_dimension=lambda value: jnp.shape(value)[0],
-    leading_elements=lambda value: jnp.asarray(
-        np.prod(jnp.shape(value)[:-1]), jnp.float32),
+KERAS_SHAPES = divisor.ShapeOps(
+    convert=ops.convert_to_tensor,
+    count=lambda value: to_float32(ops.size(value)),
+    count_true=lambda mask: ops.sum(to_float32(mask)),
+    first_dimension=lambda value: ops.shape(value)[0],
+    leading_elements=lambda value: to_float32(
+        math.prod(ops.shape(value)[:-1])),
     flatten=keras.tree.flatten,
-    to_float32=lambda value: jnp.asarray(value, jnp.float32),
+    to_float32=to_float32,
 )

@@ -1,23 +1,26 @@
-"""Keras 3 on JAX: the window's state, life cycle and end.
+"""Keras 3 on JAX and PyTorch: the window as values.
 
-The window is a `WindowState` (a JAX pytree of accumulators and counters):
-held by `Accumulation` between epochs, and inside Keras's JAX state during
-them (see `jax_training`). `end_window` applies it with the optimizer's own
-`stateless_apply`, in the training step or eagerly at an epoch's end; its
-numbers are `accum_model.core.arithmetic`'s, and its file layout is
-`core.checkpoint_layout`'s, as on TensorFlow. Checked on keras 3.15.1 with
-jax 0.10.2.
+The window is a `WindowState` (a pytree of accumulators and counters),
+written once with `keras.ops`: JAX runs it inside its jitted training step
+(its state rides in Keras's JAX state, see `jax_training`), PyTorch runs it
+eagerly (see `torch_training`). `add_micro_batch` adds a micro-batch;
+`end_window` applies the window with the optimizer's own
+`stateless_apply`, or skips it on overflow, in the step or at an epoch's
+end. Its numbers are `accum_model.core.arithmetic`'s, and its file layout
+is `core.checkpoint_layout`'s, as on TensorFlow. Each backend's module
+subclasses `Accumulation` for what only it has. Checked on keras 3.15.1
+with jax 0.10.2 and torch 2.13.0.
 """
 
 import functools
+import math
 import typing
 import warnings
 import weakref
 
-import jax
-import jax.numpy as jnp
 import keras
 import numpy as np
+from keras import ops
 from keras import optimizers
 from keras.src.saving.keras_saveable import KerasSaveable
 
@@ -27,37 +30,37 @@ from accum_model.core.lifecycle import WindowLifecycle
 from accum_model.core.messages import window_is_open
 from accum_model.core.optimizer_duties import OptimizerDuties
 from accum_model.core.variables import is_overwritten_with_gradient
-from accum_model.keras3.jax_normalization import PooledStatistics
-from accum_model.keras3.jax_ops import JAX_OPS
+from accum_model.keras3.stateless_normalization import PooledStatistics
+from accum_model.keras3.stateless_ops import KERAS_OPS
 
-__all__ = ["Accumulation", "LossScaling", "WindowCheckpoint"]
-
-
+# Used by the backends' modules; nothing of the adapter's own.
+__all__ = []
 
 class WindowState(typing.NamedTuple):
-    """The open window's values (a JAX pytree), one entry per counter."""
+    """The open window's values (a pytree of the backend's arrays), one
+    entry per counter."""
 
     gradient_sums: list
-    weight_sum: jax.Array
-    loss_sum: jax.Array
-    sample_sum: jax.Array
-    micro_steps: jax.Array
+    weight_sum: typing.Any
+    loss_sum: typing.Any
+    sample_sum: typing.Any
+    micro_steps: typing.Any
     # Micro steps left before the epoch ends; negative when unknown.
-    steps_left_in_epoch: jax.Array
-    length: jax.Array
-    next_length: jax.Array
-    skipped_windows: jax.Array
+    steps_left_in_epoch: typing.Any
+    length: typing.Any
+    next_length: typing.Any
+    skipped_windows: typing.Any
     # The noise scale (`measure_noise_scale`; zeros otherwise): the window's
     # sum of v |g_v|^2, of v, its micro-batches with v > 0, and 0.0 while
     # its first micro-batches are missing from those sums (restored open);
     # then the epoch's summed estimates of tr(Sigma), |G|^2 and their count.
-    noise_squared_norm_sum: jax.Array
-    noise_weight_sum: jax.Array
-    noise_micro_batches: jax.Array
-    noise_measurable: jax.Array
-    noise_trace_sum: jax.Array
-    noise_signal_sum: jax.Array
-    noise_estimates: jax.Array
+    noise_squared_norm_sum: typing.Any
+    noise_weight_sum: typing.Any
+    noise_micro_batches: typing.Any
+    noise_measurable: typing.Any
+    noise_trace_sum: typing.Any
+    noise_signal_sum: typing.Any
+    noise_estimates: typing.Any
     # BatchNormalization's pooled moments: per pooled layer, [3, channels]
     # of element count, shifted sum and shifted sum of squares.
     statistics_sums: list
@@ -65,22 +68,22 @@ class WindowState(typing.NamedTuple):
 
 def _empty_state(variables, dtype, length, steps_left_in_epoch=-1,
                  skipped_windows=0, statistics_sums=()):
-    def scalar(value, kind=jnp.float32):
-        return jnp.asarray(value, kind)
+    def scalar(value, kind="float32"):
+        return ops.cast(value, kind)
 
     # Variables Keras overwrites with their "gradient" (float8 statistics)
     # keep the window's largest value, in float32, as on TensorFlow.
     return WindowState(
         gradient_sums=[
-            jnp.zeros(v.shape, jnp.float32
+            ops.zeros(v.shape, "float32"
                       if is_overwritten_with_gradient(v) else dtype)
             for v in variables],
         weight_sum=scalar(0.0), loss_sum=scalar(0.0), sample_sum=scalar(0.0),
-        micro_steps=scalar(0, jnp.int32),
-        steps_left_in_epoch=scalar(steps_left_in_epoch, jnp.int32),
-        length=scalar(length, jnp.int32), next_length=scalar(length,
-                                                             jnp.int32),
-        skipped_windows=scalar(skipped_windows, jnp.int32),
+        micro_steps=scalar(0, "int32"),
+        steps_left_in_epoch=scalar(steps_left_in_epoch, "int32"),
+        length=scalar(length, "int32"), next_length=scalar(length,
+                                                             "int32"),
+        skipped_windows=scalar(skipped_windows, "int32"),
         noise_squared_norm_sum=scalar(0.0), noise_weight_sum=scalar(0.0),
         noise_micro_batches=scalar(0.0), noise_measurable=scalar(1.0),
         noise_trace_sum=scalar(0.0), noise_signal_sum=scalar(0.0),
@@ -93,35 +96,37 @@ def _reset(state):
     """The state of an empty window after `state`'s (it takes the next
     window's length)."""
     return state._replace(
-        gradient_sums=[jnp.zeros_like(s) for s in state.gradient_sums],
-        weight_sum=jnp.zeros_like(state.weight_sum),
-        loss_sum=jnp.zeros_like(state.loss_sum),
-        sample_sum=jnp.zeros_like(state.sample_sum),
-        micro_steps=jnp.zeros_like(state.micro_steps),
+        gradient_sums=[ops.zeros_like(s) for s in state.gradient_sums],
+        weight_sum=ops.zeros_like(state.weight_sum),
+        loss_sum=ops.zeros_like(state.loss_sum),
+        sample_sum=ops.zeros_like(state.sample_sum),
+        micro_steps=ops.zeros_like(state.micro_steps),
         length=state.next_length,
-        noise_squared_norm_sum=jnp.zeros_like(state.noise_squared_norm_sum),
-        noise_weight_sum=jnp.zeros_like(state.noise_weight_sum),
-        noise_micro_batches=jnp.zeros_like(state.noise_micro_batches),
-        noise_measurable=jnp.ones_like(state.noise_measurable),
-        statistics_sums=[jnp.zeros_like(s) for s in state.statistics_sums],
+        noise_squared_norm_sum=ops.zeros_like(state.noise_squared_norm_sum),
+        noise_weight_sum=ops.zeros_like(state.noise_weight_sum),
+        noise_micro_batches=ops.zeros_like(state.noise_micro_batches),
+        noise_measurable=ops.ones_like(state.noise_measurable),
+        statistics_sums=[ops.zeros_like(s) for s in state.statistics_sums],
     )
 
 
 class Accumulation(WindowLifecycle):
-    """The window state of one model on JAX, and its life cycle.
+    """The window state of one model on JAX or PyTorch, and its life cycle.
 
     The same questions and operations as the TensorFlow window's
-    `Accumulation`, answered from a `WindowState` held here between
-    epochs and inside Keras's JAX state during them.
+    `Accumulation`, answered from a `WindowState` held here (and, on JAX,
+    inside Keras's JAX state during epochs). A backend's subclass says
+    how the open window's end runs eagerly (`_eager_end`), which settings
+    it refuses (`_check_settings`) and how updates are noticed
+    (`update_signal`).
 
     Args:
         settings: The `Settings` to accumulate with.
     """
 
     def __init__(self, settings):
-        _check_settings(settings)
+        self._check_settings(settings)
         super().__init__(settings)
-        self.update_signal = UpdateSignal()
         # False for losses reduced with "sum": the window is their sum
         # (decided when the step is traced).
         self.divide_by_weight = True
@@ -133,14 +138,15 @@ class Accumulation(WindowLifecycle):
         self.float16_flags = []
         # For each, whether Keras overwrites it with its "gradient".
         self.overwrite = []
+        # For each, whether a micro-batch of the open window gave it a
+        # gradient; None where every variable always has one (a traced
+        # step's gradients are never missing).
+        self.has_gradient = None
         # The window's state inside a step being traced, else None.
         self._traced_window = None
         # The layers whose moving statistics the window pools (set when
         # the window is built).
         self.statistics = None
-        # The window's layout under `keras.distribution` (set as the step's
-        # state is gathered), else None.
-        self.window_sharding = None
 
     # What `WindowLifecycle` asks of a backend --------------------------------
 
@@ -154,7 +160,12 @@ class Accumulation(WindowLifecycle):
         return self.divide_by_weight
 
     def _check_settings(self, settings):
-        _check_settings(settings)
+        """Raises ValueError for settings this backend cannot keep."""
+
+    def _eager_end(self, end):
+        """`end` (`end_window` with this accumulation bound), as the
+        backend runs it outside a training step."""
+        return end
 
     # What users read -------------------------------------------------------
 
@@ -185,12 +196,13 @@ class Accumulation(WindowLifecycle):
             return 1.0
         return arithmetic.micro_batch_share(
             state.length, state.micro_steps, state.steps_left_in_epoch, 1,
-            JAX_OPS)
+            KERAS_OPS)
 
     def accumulator_bytes(self):
         if self.window is None:
             return 0
-        return sum(int(s.size) * s.dtype.itemsize
+        return sum(_elements(s) * np.dtype(
+            keras.backend.standardize_dtype(s.dtype)).itemsize
                    for s in self.window.state.gradient_sums)
 
     # Set-up ----------------------------------------------------------------
@@ -252,23 +264,23 @@ class Accumulation(WindowLifecycle):
         with; the windows after it take this model's own length."""
         state = self.window.state
         gradients, _, counters = layout.window_to_write(
-            arrays, [int(s.size) for s in state.gradient_sums],
+            arrays, [_elements(s) for s in state.gradient_sums],
             float(state.skipped_windows))
         self.window.state = state._replace(
             gradient_sums=[
-                jnp.asarray(value.reshape(total.shape), total.dtype)
+                ops.cast(value.reshape(total.shape), total.dtype)
                 for value, total in zip(gradients, state.gradient_sums)],
-            **{name: jnp.asarray(counters[name], getattr(state, name).dtype)
+            **{name: ops.cast(counters[name], getattr(state, name).dtype)
                for name in layout.COUNTERS},
             # A window restored open is not measured: its micro-batches
             # before the checkpoint are not in the noise sums.
-            noise_squared_norm_sum=jnp.asarray(0.0, jnp.float32),
-            noise_weight_sum=jnp.asarray(0.0, jnp.float32),
-            noise_micro_batches=jnp.asarray(0.0, jnp.float32),
-            noise_measurable=jnp.asarray(
-                0.0 if counters["micro_steps"] else 1.0, jnp.float32),
+            noise_squared_norm_sum=ops.cast(0.0, "float32"),
+            noise_weight_sum=ops.cast(0.0, "float32"),
+            noise_micro_batches=ops.cast(0.0, "float32"),
+            noise_measurable=ops.cast(
+                0.0 if counters["micro_steps"] else 1.0, "float32"),
             statistics_sums=[
-                jnp.asarray(value, jnp.float32)
+                ops.cast(value, "float32")
                 for value in layout.statistics_to_write(
                     arrays, [tuple(s.shape) for s in state.statistics_sums],
                     counters)],
@@ -280,12 +292,12 @@ class Accumulation(WindowLifecycle):
     def start_epoch(self, steps, epoch=None):
         self._start_epoch_counts(steps, epoch)
         if self.window is not None:
-            replaced = {"steps_left_in_epoch": jnp.asarray(self._epoch_steps,
-                                                           jnp.int32)}
+            replaced = {"steps_left_in_epoch": ops.cast(self._epoch_steps,
+                                                           "int32")}
             if epoch is not None:
                 # The noise scale is the epoch's own.
                 replaced.update({
-                    name: jnp.asarray(0.0, jnp.float32) for name in (
+                    name: ops.cast(0.0, "float32") for name in (
                         "noise_trace_sum", "noise_signal_sum",
                         "noise_estimates")})
             self.window.state = self.window.state._replace(**replaced)
@@ -296,8 +308,8 @@ class Accumulation(WindowLifecycle):
         # Separate arrays: Keras hands the state's buffers over to the next
         # step, and one buffer cannot be handed over twice.
         self.window.state = state._replace(
-            next_length=jnp.asarray(length, jnp.int32),
-            length=(jnp.asarray(length, jnp.int32)
+            next_length=ops.cast(length, "int32"),
+            length=(ops.cast(length, "int32")
                     if int(state.micro_steps) == 0 else state.length),
         )
 
@@ -313,11 +325,12 @@ class Accumulation(WindowLifecycle):
         optimizer = self.loss_scaling.optimizer
         key = self.divide_by_weight
         if self._apply_open is None or self._apply_open[0] != key:
-            self._apply_open = key, jax.jit(functools.partial(
+            self._apply_open = key, self._eager_end(functools.partial(
                 end_window, self))
         state = self.window.state
         window_loss = arithmetic.window_loss(
-            state.loss_sum, state.weight_sum, self.divide_by_weight, JAX_OPS)
+            state.loss_sum, state.weight_sum, self.divide_by_weight,
+            KERAS_OPS)
         samples = state.sample_sum
         # The large batch's forward pass moves the moving statistics
         # whether or not its update is then skipped for overflow.
@@ -333,6 +346,10 @@ class Accumulation(WindowLifecycle):
         model._loss_tracker.update_state(window_loss, sample_weight=samples)
 
 
+def _elements(array):
+    return math.prod(tuple(array.shape))
+
+
 class _Window:
     """The variables a window was built for, and its current state."""
 
@@ -340,42 +357,79 @@ class _Window:
         self.trainable_variables = trainable_variables
         self.state = state
 
-    def sharding(self, trainable_shardings):
-        """The window's shardings under `keras.distribution`: each gradient
-        sum is laid out as its variable, every counter replicated."""
-        trainable_shardings = list(trainable_shardings)
-        replicated = _replicated_like(
-            trainable_shardings[0] if trainable_shardings else None)
-        return jax.tree.map(lambda _: replicated, self.state)._replace(
-            gradient_sums=[
-                sharding if total.ndim else replicated
-                for sharding, total in zip(trainable_shardings,
-                                           self.state.gradient_sums)])
-
     def matches(self, trainable_variables):
         current = list(trainable_variables)
         return len(current) == len(self.trainable_variables) and all(
             a is b for a, b in zip(current, self.trainable_variables))
 
 
-def _replicated_like(sharding):
-    """A sharding that keeps a whole copy on each device of `sharding`'s."""
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        return jax.sharding.NamedSharding(sharding.mesh,
-                                          jax.sharding.PartitionSpec())
-    if sharding is None:
-        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return sharding
+def add_micro_batch(accumulation, trainable, optimizer_values, window,
+                     gradients, weight, loss, samples, non_trainable=None,
+                     moments=None):
+    """Adds a micro-batch (and its normalization layers' `moments`) to the
+    window and applies the window when it is due; returns the new
+    (trainable, non-trainable, optimizer values, window), whether the
+    window ended, its loss and its samples."""
+    wide = "float64" if window.gradient_sums and (
+        keras.backend.standardize_dtype(window.gradient_sums[0].dtype)
+        == "float64") else "float32"
+    first = window.micro_steps == 0
+    window = window._replace(
+        gradient_sums=[
+            ops.where(first, ops.cast(g, "float32"),
+                      ops.maximum(total, ops.cast(g, "float32")))
+            if overwrite
+            else total + ops.cast(ops.cast(g, wide) * ops.cast(weight, wide),
+                                  total.dtype)
+            for total, g, overwrite in zip(
+                window.gradient_sums, gradients, accumulation.overwrite)],
+        weight_sum=window.weight_sum + weight,
+        loss_sum=window.loss_sum + arithmetic.weighted_loss(
+            ops.cast(loss, "float32"), weight, KERAS_OPS),
+        sample_sum=window.sample_sum + samples,
+        micro_steps=window.micro_steps + 1,
+        **noise_terms(accumulation, window, gradients, weight, samples),
+        steps_left_in_epoch=window.steps_left_in_epoch - 1,
+    )
+    if moments is not None:
+        window = window._replace(statistics_sums=accumulation.statistics.added(
+            window.statistics_sums, moments, non_trainable))
+    ends = ops.logical_or(window.micro_steps >= window.length,
+                          window.steps_left_in_epoch == 0)
+    window_loss = arithmetic.window_loss(
+        window.loss_sum, window.weight_sum, accumulation.divide_by_weight,
+        KERAS_OPS)
+    window_samples = window.sample_sum
+    if moments is not None:
+        # Moved whether the update is applied or skipped for overflow, as
+        # the large batch's forward pass moves them.
+        non_trainable = accumulation.statistics.moved(
+            window.statistics_sums, non_trainable, ends)
+    operands = (list(trainable), optimizer_values, window)
+    trainable, optimizer_values, window = ops.cond(
+        ends, lambda: end_window(accumulation, operands), lambda: operands)
+    return (trainable, non_trainable, optimizer_values, window, ends,
+            window_loss, window_samples)
 
 
-def _check_settings(settings):
-    if (settings.accumulator_dtype == "float64"
-            and not jax.config.jax_enable_x64):
-        raise ValueError(
-            "`accumulator_dtype='float64'` needs JAX's 64-bit mode: "
-            "jax.config.update('jax_enable_x64', True) before building the "
-            "model, or accumulator_dtype='float32'. Received: "
-            "accumulator_dtype='float64'")
+def noise_terms(accumulation, window, gradients, weight, samples):
+    """The window's noise sums with this micro-batch in (see the TensorFlow
+    window's `NoiseScale.add`); none when the noise scale is off."""
+    if not accumulation.settings.measure_noise_scale:
+        return {}
+    squared_norm = sum(
+        (ops.sum(ops.square(ops.cast(g, "float32")))
+         for g, overwrite in zip(gradients, accumulation.overwrite)
+         if not overwrite), ops.convert_to_tensor(0.0, "float32"))
+    size = weight if accumulation.divide_by_weight else samples
+    return {
+        "noise_squared_norm_sum": window.noise_squared_norm_sum
+        + arithmetic.noise_micro_batch_term(weight, squared_norm, size,
+                                            KERAS_OPS),
+        "noise_weight_sum": window.noise_weight_sum + size,
+        "noise_micro_batches": window.noise_micro_batches
+        + ops.where(size > 0, 1.0, 0.0),
+    }
 
 
 def end_window(accumulation, operands):
@@ -385,19 +439,24 @@ def end_window(accumulation, operands):
     trainable, optimizer_values, state = operands
     scaling = accumulation.loss_scaling
     total_weight = (state.weight_sum if accumulation.divide_by_weight
-                    else jnp.ones_like(state.weight_sum))
+                    else ops.ones_like(state.weight_sum))
+    # A variable no micro-batch of the window gave a gradient gets none, as
+    # in the large batch (only an eager step can leave one out).
+    present = accumulation.has_gradient or [True] * len(trainable)
     gradients = [
-        total.astype(value.dtype) if overwrite else arithmetic.divide_no_nan(
-            jnp.asarray(total, jnp.float32), total_weight, JAX_OPS
-        ).astype(value.dtype)
-        for total, value, overwrite in zip(
-            state.gradient_sums, trainable, accumulation.overwrite)
+        None if not used else ops.cast(total, value.dtype) if overwrite
+        else ops.cast(
+            arithmetic.divide_no_nan(ops.cast(total, "float32"),
+                                     total_weight, KERAS_OPS),
+            value.dtype)
+        for total, value, overwrite, used in zip(
+            state.gradient_sums, trainable, accumulation.overwrite, present)
     ]
 
     def finite():
-        return jnp.all(jnp.stack(
-            [jnp.all(jnp.isfinite(s)) for s in state.gradient_sums]
-            or [jnp.asarray(True)]))
+        return ops.all(ops.stack(
+            [ops.all(ops.isfinite(s)) for s in state.gradient_sums]
+            or [ops.convert_to_tensor(True)]))
 
     def measured(state, applied):
         """`state` with the window's noise estimates added to the epoch's
@@ -405,45 +464,46 @@ def end_window(accumulation, operands):
         if not accumulation.settings.measure_noise_scale:
             return state
         summed_norm = sum(
-            (jnp.sum(jnp.square(jnp.asarray(s, jnp.float32)))
+            (ops.sum(ops.square(ops.cast(s, "float32")))
              for s, overwrite in zip(state.gradient_sums,
                                      accumulation.overwrite)
-             if not overwrite), jnp.asarray(0.0))
+             if not overwrite), ops.convert_to_tensor(0.0))
         trace, signal = arithmetic.noise_estimates(
             state.noise_squared_norm_sum, summed_norm, state.noise_weight_sum,
-            state.noise_micro_batches, JAX_OPS)
-        counts = jnp.logical_and(
-            applied, jnp.logical_and(state.noise_micro_batches >= 2.0,
+            state.noise_micro_batches, KERAS_OPS)
+        counts = ops.logical_and(
+            applied, ops.logical_and(state.noise_micro_batches >= 2.0,
                                      state.noise_measurable > 0.0))
         return state._replace(
-            noise_trace_sum=state.noise_trace_sum + jnp.where(counts, trace,
+            noise_trace_sum=state.noise_trace_sum + ops.where(counts, trace,
                                                               0.0),
-            noise_signal_sum=state.noise_signal_sum + jnp.where(
+            noise_signal_sum=state.noise_signal_sum + ops.where(
                 counts, signal, 0.0),
-            noise_estimates=state.noise_estimates + jnp.where(counts, 1.0,
+            noise_estimates=state.noise_estimates + ops.where(counts, 1.0,
                                                               0.0))
 
     if scaling.active:
         scale = optimizer_values[scaling.scale_index()]
-        flagged = [jnp.max(jnp.abs(jnp.asarray(s, jnp.float32)))
+        flagged = [ops.max(ops.abs(ops.cast(s, "float32")))
                    for s, flag in zip(state.gradient_sums,
                                       accumulation.float16_flags) if flag]
-        largest = (jnp.max(jnp.stack(flagged)) if flagged
-                   else jnp.asarray(0.0))
-        fits = jnp.logical_and(finite(), arithmetic.fits_float16(
+        largest = (ops.max(ops.stack(flagged)) if flagged
+                   else ops.convert_to_tensor(0.0))
+        fits = ops.logical_and(finite(), arithmetic.fits_float16(
             largest, scale, total_weight))
         # Keras's own LossScaleOptimizer unscales, checks, applies or
         # skips, and moves the scale, as after one large batch.
         # (Keras never scales what it overwrites with the "gradient".)
-        scaled = [g if overwrite
-                  else jnp.where(fits, g * scale.astype(g.dtype), jnp.inf)
+        scaled = [g if overwrite or g is None
+                  else ops.where(fits, g * ops.cast(scale, g.dtype),
+                                 float("inf"))
                   for g, overwrite in zip(gradients, accumulation.overwrite)]
         trainable, optimizer_values = scaling.optimizer.stateless_apply(
             optimizer_values, scaled, trainable)
         state = _reset(measured(state, fits))
         return list(trainable), list(optimizer_values), state._replace(
             skipped_windows=state.skipped_windows
-            + jnp.where(fits, 0, 1).astype(state.skipped_windows.dtype))
+            + ops.cast(ops.logical_not(fits), state.skipped_windows.dtype))
 
     def update(operands):
         trainable, optimizer_values, state = operands
@@ -460,45 +520,8 @@ def end_window(accumulation, operands):
 
     if not accumulation.settings.may_overflow:
         return update(operands)
-    return jax.lax.cond(finite(), update, skip, operands)
-
-
-class UpdateSignal:
-    """Whether the last run of the train function applied an update.
-
-    Copies the optimizer's `iterations` from the state before and after each
-    run (the state's own arrays are handed over to the next run). Once
-    Keras has written the state back into the variables (a callback's
-    `self.model` does; so does an epoch's end, where the open window may
-    be applied), the variable itself is the count after.
-    """
-
-    def __init__(self):
-        self._before = self._after = None
-        self._iterations = None
-
-    def watching(self, train_function, optimizer):
-        self._iterations = optimizer.iterations
-        index = next(i for i, v in enumerate(optimizer.variables)
-                     if v is optimizer.iterations)
-
-        def train_function_noting_updates(state, *args):
-            optimizer_position = len(state) - 2
-            self._before = jnp.array(state[optimizer_position][index])
-            logs, state = train_function(state, *args)
-            self._after = jnp.array(state[optimizer_position][index])
-            return logs, state
-
-        return train_function_noting_updates
-
-    def applied(self):
-        if self._before is None:
-            return False
-        # Keras empties a variable (private `_value`) while the state it
-        # trains on lives elsewhere.
-        written_back = getattr(self._iterations, "_value", None) is not None
-        after = self._iterations.value if written_back else self._after
-        return int(after) > int(self._before)
+    return ops.cond(finite(), lambda: update(operands),
+                    lambda: skip(operands))
 
 
 class LossScaling(OptimizerDuties):
@@ -526,9 +549,9 @@ class LossScaling(OptimizerDuties):
 
     def current_scale(self):
         """S, read inside the step's `StatelessScope` (its traced value)."""
-        return jnp.asarray(
+        return ops.cast(
             keras.ops.convert_to_tensor(self.loss_scale_optimizer
-                                        .dynamic_scale), jnp.float32)
+                                        .dynamic_scale), "float32")
 
     def scale_loss(self, loss, share=1.0):
         factor = getattr(self.update_optimizer, "loss_scale_factor", None)
@@ -536,7 +559,7 @@ class LossScaling(OptimizerDuties):
             loss = loss * factor
         if not self.active:
             return loss
-        return loss * (self.current_scale() * share).astype(loss.dtype)
+        return loss * ops.cast(self.current_scale() * share, loss.dtype)
 
     def unscale_gradients(self, gradients, variables=None, share=1.0):
         if not self.active:
@@ -544,7 +567,7 @@ class LossScaling(OptimizerDuties):
         keep = [is_overwritten_with_gradient(v)
                 for v in (variables or [None] * len(gradients))]
         factor = 1.0 / (self.current_scale() * share)
-        return [g if kept else g * factor.astype(g.dtype)
+        return [g if kept else g * ops.cast(factor, g.dtype)
                 for g, kept in zip(gradients, keep)]
 
     def scale_index(self):
@@ -580,10 +603,10 @@ class WindowCheckpoint(KerasSaveable, layout.RestoredWindow):
             return self._pending
         state = window.state
         return layout.saved_state(
-            [np.asarray(s) for s in state.gradient_sums],
+            [ops.convert_to_numpy(s) for s in state.gradient_sums],
             [True] * len(state.gradient_sums),
             {name: float(getattr(state, name)) for name in layout.COUNTERS},
-            [np.asarray(s) for s in state.statistics_sums],
+            [ops.convert_to_numpy(s) for s in state.statistics_sums],
         )
 
     def save_own_variables(self, store):

@@ -4,7 +4,8 @@ Each helper names the private member it touches, so a Keras upgrade is one
 file to review. Where Keras 3 versions differ, the helper detects what the
 running Keras offers rather than reading its version. Checked on keras
 3.6.0, 3.10.0 and 3.15.1 (TensorFlow) and 3.15.1 (JAX); see
-`tensorflow_training` and `jax_training` for each backend's own.
+`tensorflow_training`, `jax_training` and `torch_training` for each
+backend's own.
 """
 
 import inspect
@@ -16,7 +17,7 @@ from keras.src.models.functional import Functional
 __all__ = ["BACKEND", "layers_of", "micro_steps_in_epoch",
            "model_keyword_arguments", "steps_per_execution"]
 
-# The Keras backend of this process ("tensorflow" or "jax").
+# The Keras backend of this process ("tensorflow", "jax" or "torch").
 BACKEND = keras.backend.backend()
 
 

@@ -1,0 +1,320 @@
+"""Keras 3 on PyTorch: the window in Keras's eager training step.
+
+Keras's torch trainer (`keras/src/backend/torch/trainer.py`) runs
+`train_step(data)` eagerly: a stateful forward pass, `loss.backward()`,
+then `optimizer.apply` on the variables. The accumulating step keeps the
+first two and hands the gradients, times what Keras divided the loss by,
+to the window of `stateless_window`, the same window JAX runs in its
+jitted step: it runs here eagerly on the variables' values, applies the
+window with the optimizer's own `stateless_apply` when it is full or the
+epoch ends, and the step writes the new values back into the variables.
+
+BatchNormalization layers' moving statistics are pooled over the window:
+the forward pass records their moments and the step puts their moving
+statistics back as they were, until the window moves them once.
+
+Not on PyTorch (each refused by name before training): `jit_compile=True`
+(`torch.compile` of the step), several processes (`torch.distributed`:
+Keras 3 has no data-parallel `fit()` on PyTorch), and
+`stateless_accumulate_gradients` (a step of the user's own calls
+`accumulate_gradients`, as on TensorFlow).
+
+Private Keras members used, checked on keras 3.15.1 with torch 2.13.0:
+`_compute_loss`, `_call_has_training_arg`, `_loss_tracker`, `zero_grad`,
+`jit_compile`, `Variable.value`.
+"""
+
+import contextlib
+
+import keras
+import torch
+from keras import ops
+
+from accum_model.core import class_tree
+from accum_model.core import divisor
+from accum_model.keras3 import losses
+from accum_model.keras3 import stateless_window
+from accum_model.keras3.stateless_ops import KERAS_SHAPES
+from accum_model.keras3.stateless_window import LossScaling
+from accum_model.keras3.stateless_window import WindowCheckpoint
+
+__all__ = ["Accumulation", "END_OF_DATA_ERRORS", "LossScaling",
+           "ModelDifferences", "STEPS_PER_EXECUTION_FIX", "WindowCheckpoint",
+           "accumulate_gradients", "accumulating_train_step",
+           "batch_split_ways", "check_strategy", "default_micro_batch_weight",
+           "executions_stop_cleanly_at_end_of_data",
+           "foreign_variables_in_graph", "is_foreign_layer",
+           "logs_for_reduction", "recording_batch_statistics",
+           "replicas_in_sync", "stateless_accumulate_gradients"]
+
+# Keras's torch loop stops before a step when the data runs out.
+END_OF_DATA_ERRORS = ()
+
+# Keras itself refuses `steps_per_execution > 1` on PyTorch.
+STEPS_PER_EXECUTION_FIX = ""
+
+
+class Accumulation(stateless_window.Accumulation):
+    """`stateless_window.Accumulation` on PyTorch: the window's state is
+    held here and moved eagerly by each step.
+
+    Args:
+        settings: The `Settings` to accumulate with.
+    """
+
+    def __init__(self, settings):
+        super().__init__(settings)
+        self.update_signal = UpdateSignal()
+        # Whether the built-in step (which knows the loss) fed the window.
+        self.tracks_loss = True
+
+    def _tracks_loss(self):
+        return self.tracks_loss
+
+    def add(self, model, gradients, weight, loss, samples, moments=None):
+        """Adds a micro-batch's unscaled gradients to the window and applies
+        it when due, writing the new values into the variables; returns
+        whether the window ended, its loss and its samples."""
+        window = self.window
+        variables = window.trainable_variables
+        gradients = self._with_zeros_for_missing(gradients, variables)
+        optimizer_variables = self.loss_scaling.optimizer.variables
+        non_trainable = None
+        if moments is not None:
+            non_trainable = [v.value for v in model.non_trainable_variables]
+        with torch.no_grad():
+            (trainable, new_non_trainable, optimizer_values, window.state,
+             ends, window_loss, window_samples) = (
+                stateless_window.add_micro_batch(
+                    self, [v.value for v in variables],
+                    [v.value for v in optimizer_variables], window.state,
+                    gradients, weight, loss, samples, non_trainable,
+                    moments))
+            for variable, value in zip(variables, trainable):
+                variable.assign(value)
+            for variable, value in zip(optimizer_variables,
+                                       optimizer_values):
+                variable.assign(value)
+            if moments is not None:
+                for variable, old, new in zip(model.non_trainable_variables,
+                                              non_trainable,
+                                              new_non_trainable):
+                    if new is not old:
+                        variable.assign(new)
+        if bool(ends):
+            self._window_ended()
+        return ends, window_loss, window_samples
+
+    def _with_zeros_for_missing(self, gradients, variables):
+        """The gradients, with zeros where a variable has none (the window
+        holds one sum per variable); notes which variables had one."""
+        if self.has_gradient is None or len(self.has_gradient) != len(
+                variables):
+            self.has_gradient = [False] * len(variables)
+        self.has_gradient = [used or g is not None for used, g in zip(
+            self.has_gradient, gradients)]
+        return [ops.zeros_like(v.value) if g is None else g
+                for g, v in zip(gradients, variables)]
+
+    def _window_ended(self):
+        self.has_gradient = None
+
+    def apply_open_window(self):
+        super().apply_open_window()
+        self._window_ended()
+
+    def write_window(self, arrays):
+        super().write_window(arrays)
+        # A restored window's sums may hold a gradient of any variable.
+        self.has_gradient = [True] * len(self.window.trainable_variables)
+
+
+class UpdateSignal:
+    """Whether the last run of the train function applied an update: the
+    optimizer's `iterations` before it against their count now (which
+    includes a window applied at the epoch's end, after the run)."""
+
+    def __init__(self):
+        self._before = None
+        self._iterations = None
+
+    def watching(self, train_function, optimizer):
+        self._iterations = optimizer.iterations
+
+        def train_function_noting_updates(*args):
+            self._before = int(self._iterations.value)
+            return train_function(*args)
+
+        return train_function_noting_updates
+
+    def applied(self):
+        return (self._before is not None
+                and int(self._iterations.value) > self._before)
+
+
+def accumulating_train_step(model, data):
+    """One micro step on PyTorch (eager): Keras's forward and backward
+    pass, then the window instead of the optimizer."""
+    accumulation = model._accumulation
+    window = accumulation.window
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    default_weight = _has_default_micro_batch_weight(type(model))
+    statistics = accumulation.statistics
+    accumulation._traced_window = window.state
+    kept = statistics.kept_values(model)
+    with statistics.recording() as records:
+        if model._call_has_training_arg:
+            y_pred = model(x, training=True)
+        else:
+            y_pred = model(x)
+    moments = statistics.moments_of(records)
+    statistics.put_back(kept, model)
+    model.zero_grad()
+    # This micro-batch's own mean loss; the window divides by its whole
+    # weight.
+    with losses.losses_not_divided_by_replicas(), \
+            losses.recording_loss_reductions(KERAS_SHAPES) as reductions:
+        loss = model._compute_loss(x=x, y=y, y_pred=y_pred,
+                                   sample_weight=sample_weight, training=True)
+    model._traced_loss_reductions = reductions
+    divisor.warn_if_activity_penalty_is_masked(
+        model, y_pred, losses.get_keras_mask, KERAS_SHAPES)
+    weight = ops.cast(model.micro_batch_weight(x, y, y_pred, sample_weight),
+                      "float32")
+    # Losses reduced with "sum" divide by nothing: nor does the window.
+    accumulation.divide_by_weight = not (
+        default_weight and not accumulation.weight_from_batch_size
+        and divisor.is_summed(reductions))
+    accumulation.tracks_loss = True
+    variables = window.trainable_variables
+    if variables:
+        model.get_scaled_loss(loss).backward()
+    gradients = model.get_unscaled_gradients(
+        [v.value.grad for v in variables])
+    samples = ops.cast(divisor.batch_size(x, KERAS_SHAPES), "float32")
+    ends, window_loss, window_samples = accumulation.add(
+        model, gradients, ops.stop_gradient(weight),
+        ops.stop_gradient(loss), samples,
+        moments if statistics.layers else None)
+    accumulation._traced_window = None
+    # The loss in the logs is each window's, logged when it ends, weighted
+    # by its samples as Keras weighs a batch's.
+    model._loss_tracker.update_state(
+        window_loss, sample_weight=ops.where(ends, window_samples, 0.0))
+    logs = model.compute_metrics(x, y, y_pred, sample_weight)
+    if (accumulation.settings.may_overflow
+            or accumulation.loss_scaling.active):
+        # An overflow must never pass silently: show the count.
+        logs = {**logs, "skipped_windows": window.state.skipped_windows}
+    return logs
+
+
+class ModelDifferences:
+    """What the Keras 3 `AccumulatingModel` does on PyTorch: its window is
+    built before the first step, and the step runs uncompiled."""
+
+    def make_train_function(self, force=False):
+        accumulation = self._accumulation
+        if accumulation.accumulates and (force or self.train_function is None):
+            if self.jit_compile:
+                raise ValueError(
+                    "AccumulatingModel on PyTorch runs its training step "
+                    "eagerly: torch.compile of the step (`jit_compile=True`) "
+                    "is not supported. Compile with jit_compile=False (the "
+                    "default on PyTorch). Received: jit_compile=True")
+            accumulation.build_window(self)
+        return super().make_train_function(force)
+
+
+def check_strategy(model):
+    """Refuses several PyTorch processes: Keras 3's `fit()` on PyTorch
+    trains on one device, and a window per process would never meet."""
+    del model
+    distributed = torch.distributed
+    if (distributed.is_available() and distributed.is_initialized()
+            and distributed.get_world_size() > 1):
+        raise ValueError(
+            "AccumulatingModel on PyTorch trains in one process on one "
+            "device: Keras 3 has no data-parallel fit() on PyTorch, and "
+            "windows in several processes would be applied apart. Train in "
+            "one process, or use the TensorFlow or JAX backend for several "
+            "devices. Received: torch.distributed world size "
+            f"{distributed.get_world_size()}")
+
+
+def batch_split_ways():
+    return 1
+
+
+def replicas_in_sync(model):
+    del model
+    return 1
+
+
+def default_micro_batch_weight(model, x, y_pred):
+    """What Keras divided this micro step's loss by (inside the step)."""
+    return divisor.default_weight(model, x, y_pred, losses.get_keras_mask,
+                                  KERAS_SHAPES)
+
+
+def accumulate_gradients(model, gradients, weight, batch_size=None):
+    """`AccumulatingModel.accumulate_gradients` on PyTorch (eager)."""
+    accumulation = model._accumulation
+    window = accumulation.window
+    gradients = list(gradients)
+    if len(gradients) != len(window.trainable_variables):
+        raise ValueError(
+            "Expected one gradient per trainable variable "
+            f"({len(window.trainable_variables)}). Received: "
+            f"{len(gradients)} gradients")
+    weight = ops.stop_gradient(ops.cast(weight, "float32"))
+    samples = (weight if batch_size is None
+               else ops.cast(batch_size, "float32"))
+    accumulation.divide_by_weight = True
+    accumulation.tracks_loss = False
+    accumulation.add(model, [None if g is None else ops.stop_gradient(g)
+                             for g in gradients],
+                     weight, ops.zeros((), "float32"), samples)
+
+
+def stateless_accumulate_gradients(model, optimizer_variables, gradients,
+                                   trainable_variables, weight):
+    del model, optimizer_variables, gradients, trainable_variables, weight
+    raise NotImplementedError(
+        "`stateless_accumulate_gradients` is for a stateless JAX step; on "
+        "PyTorch the step is stateful: call "
+        "`self.accumulate_gradients(gradients, weight)` where Keras's step "
+        "calls `self.optimizer.apply`.")
+
+
+def executions_stop_cleanly_at_end_of_data():
+    """Keras's torch loop runs one step per execution."""
+    return True
+
+
+def foreign_variables_in_graph(model):
+    del model
+    return []
+
+
+def is_foreign_layer(value):
+    """No Keras 2 layer can sit in a model on PyTorch."""
+    del value
+    return False
+
+
+def logs_for_reduction(logs, strategy):
+    del strategy
+    return logs
+
+
+@contextlib.contextmanager
+def recording_batch_statistics(layers):
+    """Unused on PyTorch: the step records through `PooledStatistics`."""
+    del layers
+    yield []
+
+
+def _has_default_micro_batch_weight(model_class):
+    base = class_tree.accumulating_base(model_class)
+    return model_class.micro_batch_weight is base.micro_batch_weight
