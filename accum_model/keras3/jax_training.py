@@ -38,18 +38,28 @@ Private Keras members used, checked on keras 3.15.1 with jax 0.10.2:
 `_call_has_training_arg`, `_loss_tracker`, `_get_state_sharding_spec`.
 """
 
-import contextlib
 
 import jax
 import jax.numpy as jnp
 import keras
 
-from accum_model.core import class_tree
 from accum_model.core import divisor
 from accum_model.keras3 import losses
 from accum_model.keras3 import stateless_window
 from accum_model.keras3.jax_window import window_sharding as _window_sharding
 from accum_model.keras3.stateless_ops import KERAS_SHAPES
+from accum_model.keras3.stateless_training import END_OF_DATA_ERRORS
+from accum_model.keras3.stateless_training import STEPS_PER_EXECUTION_FIX
+from accum_model.keras3.stateless_training import default_micro_batch_weight
+from accum_model.keras3.stateless_training import (
+    executions_stop_cleanly_at_end_of_data)
+from accum_model.keras3.stateless_training import foreign_variables_in_graph
+from accum_model.keras3.stateless_training import (
+    has_default_micro_batch_weight)
+from accum_model.keras3.stateless_training import is_foreign_layer
+from accum_model.keras3.stateless_training import logs_for_reduction
+from accum_model.keras3.stateless_training import recording_batch_statistics
+from accum_model.keras3.stateless_training import replicas_in_sync
 from accum_model.keras3.stateless_window import WindowState
 
 __all__ = ["END_OF_DATA_ERRORS", "ModelDifferences", "STEPS_PER_EXECUTION_FIX",
@@ -60,13 +70,6 @@ __all__ = ["END_OF_DATA_ERRORS", "ModelDifferences", "STEPS_PER_EXECUTION_FIX",
            "logs_for_reduction", "recording_batch_statistics",
            "replicas_in_sync", "stateless_accumulate_gradients"]
 
-# Keras's JAX loop stops before a step when the data runs out: no step
-# raises, and none runs on an empty batch.
-END_OF_DATA_ERRORS = ()
-
-
-STEPS_PER_EXECUTION_FIX = ""
-
 
 def accumulating_train_step(model, state, data):
     """One micro step on JAX: pure, `(state, data) -> (logs, state)`."""
@@ -76,7 +79,7 @@ def accumulating_train_step(model, state, data):
     optimizer_values = list(optimizer_and_window[:-1])
     window = optimizer_and_window[-1]
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    default_weight = _has_default_micro_batch_weight(type(model))
+    default_weight = has_default_micro_batch_weight(type(model))
     accumulation._traced_window = window
 
     def optimizer_values_in_scope():
@@ -265,17 +268,6 @@ def batch_split_ways():
         distribution.batch_dim_name, 1))
 
 
-def replicas_in_sync(model):
-    del model
-    return 1
-
-
-def default_micro_batch_weight(model, x, y_pred):
-    """What Keras divided this micro step's loss by (inside the step)."""
-    return divisor.default_weight(model, x, y_pred, losses.get_keras_mask,
-                                  KERAS_SHAPES)
-
-
 def accumulate_gradients(model, gradients, weight, batch_size=None):
     del model, gradients, weight, batch_size
     raise NotImplementedError(
@@ -307,41 +299,8 @@ def stateless_accumulate_gradients(model, optimizer_variables, gradients,
             f"({len(window.gradient_sums)}). Received: {len(gradients)}")
     accumulation.divide_by_weight = True
     weight = jnp.asarray(weight, jnp.float32)
-    trainable, _, optimizer_values, window, *_ = stateless_window.add_micro_batch(
+    add = stateless_window.add_micro_batch
+    trainable, _, optimizer_values, window, *_ = add(
         accumulation, list(trainable_variables), optimizer_variables[:-1],
         window, gradients, weight, jnp.asarray(0.0, jnp.float32), weight)
     return trainable, optimizer_values + [window]
-
-
-def executions_stop_cleanly_at_end_of_data():
-    """Keras's JAX loop runs an execution's steps one by one and stops
-    between two when the data runs out."""
-    return True
-
-
-def foreign_variables_in_graph(model):
-    del model
-    return []
-
-
-def is_foreign_layer(value):
-    """No Keras 2 layer can sit in a model on JAX (Keras 2 is TensorFlow's)."""
-    del value
-    return False
-
-
-def logs_for_reduction(logs, strategy):
-    del strategy
-    return logs
-
-
-@contextlib.contextmanager
-def recording_batch_statistics(layers):
-    """Unused on JAX: the step records through `PooledStatistics`."""
-    del layers
-    yield []
-
-
-def _has_default_micro_batch_weight(model_class):
-    base = class_tree.accumulating_base(model_class)
-    return model_class.micro_batch_weight is base.micro_batch_weight

@@ -24,17 +24,27 @@ Private Keras members used, checked on keras 3.15.1 with torch 2.13.0:
 `jit_compile`, `Variable.value`.
 """
 
-import contextlib
 
 import keras
 import torch
 from keras import ops
 
-from accum_model.core import class_tree
 from accum_model.core import divisor
 from accum_model.keras3 import losses
 from accum_model.keras3 import stateless_window
 from accum_model.keras3.stateless_ops import KERAS_SHAPES
+from accum_model.keras3.stateless_training import END_OF_DATA_ERRORS
+from accum_model.keras3.stateless_training import STEPS_PER_EXECUTION_FIX
+from accum_model.keras3.stateless_training import default_micro_batch_weight
+from accum_model.keras3.stateless_training import (
+    executions_stop_cleanly_at_end_of_data)
+from accum_model.keras3.stateless_training import foreign_variables_in_graph
+from accum_model.keras3.stateless_training import (
+    has_default_micro_batch_weight)
+from accum_model.keras3.stateless_training import is_foreign_layer
+from accum_model.keras3.stateless_training import logs_for_reduction
+from accum_model.keras3.stateless_training import recording_batch_statistics
+from accum_model.keras3.stateless_training import replicas_in_sync
 from accum_model.keras3.stateless_window import LossScaling
 from accum_model.keras3.stateless_window import WindowCheckpoint
 
@@ -46,12 +56,6 @@ __all__ = ["Accumulation", "END_OF_DATA_ERRORS", "LossScaling",
            "foreign_variables_in_graph", "is_foreign_layer",
            "logs_for_reduction", "recording_batch_statistics",
            "replicas_in_sync", "stateless_accumulate_gradients"]
-
-# Keras's torch loop stops before a step when the data runs out.
-END_OF_DATA_ERRORS = ()
-
-# Keras itself refuses `steps_per_execution > 1` on PyTorch.
-STEPS_PER_EXECUTION_FIX = ""
 
 
 class Accumulation(stateless_window.Accumulation):
@@ -158,7 +162,7 @@ def accumulating_train_step(model, data):
     accumulation = model._accumulation
     window = accumulation.window
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    default_weight = _has_default_micro_batch_weight(type(model))
+    default_weight = has_default_micro_batch_weight(type(model))
     statistics = accumulation.statistics
     accumulation._traced_window = window.state
     kept = statistics.kept_values(model)
@@ -246,17 +250,6 @@ def batch_split_ways():
     return 1
 
 
-def replicas_in_sync(model):
-    del model
-    return 1
-
-
-def default_micro_batch_weight(model, x, y_pred):
-    """What Keras divided this micro step's loss by (inside the step)."""
-    return divisor.default_weight(model, x, y_pred, losses.get_keras_mask,
-                                  KERAS_SHAPES)
-
-
 def accumulate_gradients(model, gradients, weight, batch_size=None):
     """`AccumulatingModel.accumulate_gradients` on PyTorch (eager)."""
     accumulation = model._accumulation
@@ -285,36 +278,3 @@ def stateless_accumulate_gradients(model, optimizer_variables, gradients,
         "PyTorch the step is stateful: call "
         "`self.accumulate_gradients(gradients, weight)` where Keras's step "
         "calls `self.optimizer.apply`.")
-
-
-def executions_stop_cleanly_at_end_of_data():
-    """Keras's torch loop runs one step per execution."""
-    return True
-
-
-def foreign_variables_in_graph(model):
-    del model
-    return []
-
-
-def is_foreign_layer(value):
-    """No Keras 2 layer can sit in a model on PyTorch."""
-    del value
-    return False
-
-
-def logs_for_reduction(logs, strategy):
-    del strategy
-    return logs
-
-
-@contextlib.contextmanager
-def recording_batch_statistics(layers):
-    """Unused on PyTorch: the step records through `PooledStatistics`."""
-    del layers
-    yield []
-
-
-def _has_default_micro_batch_weight(model_class):
-    base = class_tree.accumulating_base(model_class)
-    return model_class.micro_batch_weight is base.micro_batch_weight
