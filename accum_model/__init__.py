@@ -6,5 +6,8 @@ from accum_model import _chooser  # noqa: F401  isort: skip
 
 from accum_model._existing_models import accumulating  # noqa: E402
 from accum_model.accumulating_model import AccumulatingModel  # noqa: E402
+from accum_model.window_from_noise_scale import (  # noqa: E402
+    WindowFromNoiseScale)
 
-__all__ = ["AccumulatingModel", "accumulating", "__version__"]
+__all__ = ["AccumulatingModel", "WindowFromNoiseScale", "accumulating",
+           "__version__"]

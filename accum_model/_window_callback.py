@@ -4,6 +4,7 @@ import inspect
 
 from accum_model._chooser import adapter
 from accum_model._chooser import keras
+from accum_model.window_from_noise_scale import WindowFromNoiseScale
 
 
 class WindowCallback(keras.callbacks.Callback):
@@ -48,7 +49,8 @@ class WindowCallback(keras.callbacks.Callback):
         del arguments["self"]
         window_callback = cls(model, arguments.get("epochs", 1))
         late_callback = _StoppedWindowCallback(window_callback)
-        callbacks = arguments.get("callbacks")
+        callbacks = _window_sizers_first(arguments.get("callbacks"),
+                                         _micro_batch_size(arguments))
         if arguments.get("verbose", "auto") != 0 and _progress_bar_averages():
             progress_bar = _progress_bar_showing_counts(callbacks)
             if progress_bar is not None:
@@ -161,6 +163,41 @@ class WindowCallback(keras.callbacks.Callback):
         model = self.accumulating_model
         if logs is not None and "skipped_windows" in logs:
             logs["skipped_windows"] = WholeCount(model.skipped_windows)
+
+
+def _micro_batch_size(arguments):
+    """The samples per micro step `fit()` was asked for: its `batch_size`,
+    Keras's 32 for arrays without one, None for a dataset or generator."""
+    batch_size = arguments.get("batch_size")
+    if batch_size is not None:
+        return batch_size
+    x = arguments.get("x")
+    first = x[0] if isinstance(x, (list, tuple)) and x else x
+    if isinstance(first, dict) and first:
+        first = next(iter(first.values()))
+    if hasattr(first, "shape") and hasattr(first, "__len__"):
+        return 32
+    return None
+
+
+def _window_sizers_first(callbacks, batch_size):
+    """`callbacks` with each `WindowFromNoiseScale` first (right after the
+    window's own callback), told `fit()`'s micro-batch size, so that the
+    epoch's logs hold what it set when the user's callbacks read them."""
+    if callbacks is None:
+        return None
+    listed = (callbacks.callbacks
+              if isinstance(callbacks, keras.callbacks.CallbackList)
+              else list(callbacks))
+    sizers = [c for c in listed if isinstance(c, WindowFromNoiseScale)]
+    for sizer in sizers:
+        sizer.fit_batch_size = batch_size
+    ordered = sizers + [c for c in listed
+                        if not isinstance(c, WindowFromNoiseScale)]
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks.callbacks[:] = ordered
+        return callbacks
+    return ordered
 
 
 # Log entries that are counts: shown as they stand, never averaged.

@@ -1094,6 +1094,34 @@ def test_noise_scale_is_the_data_sets():
     np.testing.assert_allclose(history["noise_scale"], reference, rtol=0.15)
 
 
+def test_window_from_noise_scale_sizes_the_window_and_learning_rate():
+    # The linear regression above, learning rate 1e-4: the noise scale
+    # grows as the loss falls, and the window and the learning rate
+    # ("linear") follow it, as on Keras 3 (test_window_from_noise_scale.py).
+    from accum_model import WindowFromNoiseScale
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8192, 4)).astype("float32")
+    y = (x @ np.array([1.0, -0.5, 0.8, 0.3], np.float32)
+         + 2.0 * rng.normal(size=8192)).astype("float32")[:, None]
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(1, kernel_initializer="zeros")(inputs)
+    model = AccumulatingModel(inputs, outputs, n_gradients=2,
+                              measure_noise_scale=True)
+    model.compile(optimizer=keras.optimizers.SGD(1e-4), loss="mse")
+    history = model.fit(x, y, batch_size=4, epochs=3, verbose=0, callbacks=[
+        WindowFromNoiseScale(learning_rate="linear")]).history
+    for noise, window, rate in zip(history["smoothed_noise_scale"],
+                                   history["window_n_gradients"],
+                                   history["window_learning_rate"]):
+        assert window == 2 ** round(np.log2(noise / 4))
+        assert rate == pytest.approx(1e-4 * window / 2, rel=1e-5)
+    assert history["window_n_gradients"][-1] > 2
+    assert model.n_gradients == history["window_n_gradients"][-1]
+    assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(
+        history["window_learning_rate"][-1], rel=1e-5)
+
+
 def test_fit_before_compile_gives_keras_own_error():
     x, y = regression_data(samples=16)
     for model in (mlp(keras.Model), mlp(AccumulatingModel, n_gradients=2)):

@@ -67,8 +67,8 @@ class WindowLifecycle:
         """Takes new settings, at a window boundary only.
 
         Returns:
-            Whether the settings changed (the training step must be traced
-            anew if so).
+            Whether the training step must be traced anew (settings other
+            than `n_gradients` changed, or whether it accumulates).
 
         Raises:
             ValueError: A window is open and the settings differ.
@@ -94,10 +94,17 @@ class WindowLifecycle:
             # The next step builds the window anew, in the new dtype, with
             # or without the noise scale.
             self._forget_window()
+        # The window's length is a value the step reads, not part of its
+        # trace: a new length alone (accumulating before and after) keeps
+        # the traced step, so that it can change between two epochs of one
+        # fit().
+        retrace = (settings.accumulates != self.settings.accumulates
+                   or _without_length(settings)
+                   != _without_length(self.settings))
         self.settings = settings
         if self.window is not None:
             self._set_window_length(self.window_length())
-        return True
+        return retrace
 
     def _start_epoch_counts(self, steps, epoch):
         """Notes the epoch and its micro steps (known only where windows end
@@ -185,3 +192,8 @@ class WindowLifecycle:
     def _set_window_length(self, length):
         """Gives the window `length` from its next boundary (eagerly)."""
         raise NotImplementedError
+
+
+def _without_length(settings):
+    return {name: value for name, value in settings.as_dict().items()
+            if name != "n_gradients"}

@@ -12,6 +12,7 @@ optimizers (`optimizers.legacy`) are built through the private
 / TF 2.15.1 and keras 2.13.1 / TF 2.13.1.
 """
 
+import numpy as np
 import tensorflow as tf
 
 from accum_model.core.optimizer_duties import OptimizerDuties
@@ -22,7 +23,8 @@ from accum_model.tensorflow.optimizer_duties import scaled_gradients
 _optimizer_v2 = src("optimizers.legacy.optimizer_v2")
 _autocast_variable = src("mixed_precision.autocast_variable")
 
-__all__ = ["LossScaling", "check_optimizer", "float16_gradient_flags"]
+__all__ = ["LossScaling", "check_optimizer", "float16_gradient_flags",
+           "learning_rate_of", "set_learning_rate"]
 
 
 def float16_gradient_flags(model, variables):
@@ -161,3 +163,20 @@ class LossScaling(OptimizerDuties):
                 pairs, experimental_aggregate_gradients=False)
         else:
             optimizer.apply_gradients(pairs, skip_gradients_aggregation=True)
+
+
+def learning_rate_of(optimizer):
+    """The float learning rate `optimizer` (or, under loss scaling, the
+    optimizer it wraps) applies, or None where it follows a schedule or a
+    callable (private `_learning_rate`, checked on TensorFlow 2.13-2.15 and tf-keras 2.21)."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    value = getattr(inner, "_learning_rate", None)
+    if not hasattr(value, "assign"):
+        return None
+    return float(np.asarray(value.numpy()))
+
+
+def set_learning_rate(optimizer, value):
+    """Sets a float learning rate (see `learning_rate_of`), eagerly."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    inner._learning_rate.assign(value)

@@ -24,6 +24,8 @@ from accum_model.keras3.losses import track_loss
 from accum_model.keras3.normalization import pools_moving_statistics
 from accum_model.keras3.optimizer import check_optimizer
 from accum_model.keras3.optimizer import float16_gradient_flags
+from accum_model.keras3.optimizer import learning_rate_of
+from accum_model.keras3.optimizer import set_learning_rate
 from accum_model.keras3.saving import Functional
 from accum_model.keras3.saving import clones_through_constructor
 from accum_model.keras3.saving import functional_constructor_signature
@@ -131,6 +133,7 @@ __all__ = [
     "is_foreign_layer",
     "keras",
     "layers_of",
+    "learning_rate_of",
     "logged_loss",
     "loss_logged_by_window",
     "logs_for_reduction",
@@ -143,6 +146,7 @@ __all__ = [
     "register_plain_name",
     "replicas_in_sync",
     "serialize_as",
+    "set_learning_rate",
     "stateless_accumulate_gradients",
     "steps_per_execution",
     "track_loss",

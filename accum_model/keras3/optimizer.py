@@ -5,7 +5,10 @@ and which optimizers a window applies. The `LossScaleOptimizer` taken apart
 for windows is each backend's (`tensorflow_optimizer`, `jax_training`).
 """
 
-__all__ = ["check_optimizer", "float16_gradient_flags"]
+import numpy as np
+
+__all__ = ["check_optimizer", "float16_gradient_flags", "learning_rate_of",
+           "set_learning_rate"]
 
 
 def check_optimizer(optimizer, model):
@@ -37,3 +40,18 @@ def float16_gradient_flags(model, variables):
     ]
 
 
+def learning_rate_of(optimizer):
+    """The float learning rate `optimizer` (or, under loss scaling, the
+    optimizer it wraps) applies, or None where it follows a schedule or a
+    callable (private `_learning_rate`, checked on keras 3.6.0, 3.10.0 and 3.15.1)."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    value = getattr(inner, "_learning_rate", None)
+    if not hasattr(value, "assign"):
+        return None
+    return float(np.asarray(value.numpy()))
+
+
+def set_learning_rate(optimizer, value):
+    """Sets a float learning rate (see `learning_rate_of`), eagerly."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    inner._learning_rate.assign(value)

@@ -15,12 +15,14 @@ from accum_model.core import divisor
 from accum_model.keras3 import losses
 from accum_model.keras3.stateless_ops import KERAS_SHAPES
 
+# What the adapter offers from here (through each backend's module);
+# `has_default_micro_batch_weight` is for those modules alone.
 __all__ = ["END_OF_DATA_ERRORS", "STEPS_PER_EXECUTION_FIX",
            "default_micro_batch_weight",
            "executions_stop_cleanly_at_end_of_data",
-           "foreign_variables_in_graph", "has_default_micro_batch_weight",
-           "is_foreign_layer", "logs_for_reduction",
-           "recording_batch_statistics", "replicas_in_sync"]
+           "foreign_variables_in_graph", "is_foreign_layer",
+           "logs_for_reduction", "recording_batch_statistics",
+           "replicas_in_sync"]
 
 # The loop stops before a step when the data runs out: no step raises.
 END_OF_DATA_ERRORS = ()

@@ -1,0 +1,244 @@
+"""`WindowFromNoiseScale`: the window follows the measured noise scale.
+
+On the closed-form linear regression of test_noise_scale.py (B_noise known
+at the start, growing as the loss falls), starting from the smallest
+window: the window reaches the noise scale and then tracks it; the
+learning-rate rules give their documented values; bad input is refused
+before training.
+"""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+
+from accum_model import AccumulatingModel
+from accum_model import WindowFromNoiseScale
+from accum_model import accumulating
+from helpers import iterations
+from test_noise_scale import _linear_data
+from test_noise_scale import _linear_model
+from test_noise_scale import _reference_noise_scale
+
+MICRO_BATCH = 4
+
+
+def _fit(sizer, learning_rate=1e-4, epochs=5, model=None, x=None, y=None,
+         **fit_kwargs):
+    if x is None:
+        x, y = _linear_data()
+    model = model or _linear_model(n_gradients=2, measure_noise_scale=True)
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate), loss="mse")
+    keras.utils.set_random_seed(0)
+    history = model.fit(x, y, batch_size=MICRO_BATCH, epochs=epochs,
+                        verbose=0, callbacks=[sizer], **fit_kwargs).history
+    return model, history
+
+
+def _power_of_two_nearest(value):
+    return 2 ** round(math.log2(value))
+
+
+def test_the_window_reaches_a_known_noise_scale():
+    # Learning rate 0: every epoch measures the data set's B_noise at the
+    # start, whose nearest window is 16 / 4 = 4 micro-batches.
+    x, y = _linear_data()
+    reference = _reference_noise_scale(x, y)
+    model, history = _fit(WindowFromNoiseScale(), learning_rate=0.0,
+                          epochs=3)
+    expected = _power_of_two_nearest(reference / MICRO_BATCH)
+    assert expected == 4
+    assert history["window_n_gradients"] == [expected] * 3
+    assert model.n_gradients == expected
+    np.testing.assert_allclose(history["smoothed_noise_scale"][-1],
+                               reference, rtol=0.15)
+
+
+def test_the_window_tracks_a_growing_noise_scale():
+    # The noise scale grows about 5x over 6 epochs as the loss falls; each
+    # epoch's window (for the next epoch) stays within a factor of 2 of the
+    # noise scale just measured, and the updates follow the windows.
+    model, history = _fit(WindowFromNoiseScale(smoothing=0.0),
+                          learning_rate=3e-4, epochs=6)
+    measured = np.array(history["noise_scale"])
+    windows = np.array(history["window_n_gradients"])
+    assert measured[-1] > 2 * measured[0]
+    assert windows[-1] > windows[0]
+    ratio = windows * MICRO_BATCH / measured
+    assert np.all((ratio >= 0.5) & (ratio <= 2.0)), ratio
+    steps = len(_linear_data()[0]) // MICRO_BATCH
+    expected_updates = steps // 2 + sum(steps // n for n in windows[:-1])
+    assert iterations(model) == expected_updates
+
+
+def test_smoothing_averages_the_logarithm():
+    _, history = _fit(WindowFromNoiseScale(smoothing=0.5), epochs=3)
+    measured = history["noise_scale"]
+    smoothed = history["smoothed_noise_scale"]
+    assert smoothed[0] == pytest.approx(measured[0])
+    assert smoothed[1] == pytest.approx(math.sqrt(measured[0] * measured[1]))
+    assert smoothed[2] == pytest.approx(
+        math.sqrt(smoothed[1] * measured[2]))
+
+
+@pytest.mark.parametrize("rule", ["linear", "sqrt", "adascale"])
+def test_learning_rate_rules_give_their_values(rule):
+    start = 1e-4
+    model, history = _fit(WindowFromNoiseScale(learning_rate=rule),
+                          learning_rate=start, epochs=4)
+    for window, noise, logged in zip(history["window_n_gradients"],
+                                     history["smoothed_noise_scale"],
+                                     history["window_learning_rate"]):
+        scale = window / 2
+        expected = {
+            "linear": start * scale,
+            "sqrt": start * math.sqrt(scale),
+            "adascale": start * (1 + noise / (2 * MICRO_BATCH))
+            / (1 + noise / (scale * 2 * MICRO_BATCH)),
+        }[rule]
+        assert logged == pytest.approx(expected, rel=1e-5)
+    assert float(keras.ops.convert_to_numpy(
+        model.optimizer.learning_rate)) == pytest.approx(
+            history["window_learning_rate"][-1], rel=1e-5)
+
+
+def test_no_rule_leaves_the_learning_rate():
+    model, history = _fit(WindowFromNoiseScale(), learning_rate=1e-4)
+    assert history["window_learning_rate"] == pytest.approx([1e-4] * 5)
+
+
+@pytest.mark.parametrize("unresolved", [0.0, math.inf, math.nan])
+def test_an_unresolved_epoch_leaves_the_window(unresolved):
+    # 0 and inf are what an epoch logs when its windows could not resolve
+    # the noise or the signal; NaN an epoch that measured nothing.
+    sizer = WindowFromNoiseScale()
+    model, history = _fit(sizer, learning_rate=0.0, epochs=1)
+    smoothed = sizer.smoothed_noise_scale
+    logs = {"noise_scale": unresolved}
+    sizer.on_epoch_end(1, logs)
+    assert model.n_gradients == history["window_n_gradients"][0] == 4
+    assert sizer.smoothed_noise_scale == smoothed
+    assert logs["window_n_gradients"] == 4
+    assert logs["smoothed_noise_scale"] == smoothed
+
+
+def test_the_bounds_hold():
+    _, history = _fit(WindowFromNoiseScale(min_n_gradients=8,
+                                           max_n_gradients=8),
+                      learning_rate=0.0, epochs=2)
+    assert history["window_n_gradients"] == [8, 8]
+
+
+def test_its_logs_reach_callbacks_listed_before_it(tmp_path):
+    path = tmp_path / "log.csv"
+    x, y = _linear_data()
+    model = _linear_model(n_gradients=2, measure_noise_scale=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    model.fit(x, y, batch_size=MICRO_BATCH, epochs=2, verbose=0,
+              callbacks=[keras.callbacks.CSVLogger(str(path)),
+                         WindowFromNoiseScale()])
+    header = path.read_text().splitlines()[0].split(",")
+    assert {"smoothed_noise_scale", "window_n_gradients",
+            "window_learning_rate"} <= set(header)
+
+
+def test_a_batch_size_it_cannot_know_must_be_given():
+    x, y = _linear_data(samples=64)
+
+    def batches():
+        for start in range(0, len(x), MICRO_BATCH):
+            yield x[start:start + MICRO_BATCH], y[start:start + MICRO_BATCH]
+
+    model = _linear_model(n_gradients=2, measure_noise_scale=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        model.fit(batches(), epochs=1, verbose=0,
+                  callbacks=[WindowFromNoiseScale()])
+    assert iterations(model) == 0
+    history = model.fit(
+        batches(), epochs=1, verbose=0,
+        callbacks=[WindowFromNoiseScale(micro_batch_size=MICRO_BATCH)])
+    measured = history.history["noise_scale"][0]
+    assert model.n_gradients == min(64, max(2, _power_of_two_nearest(
+        measured / MICRO_BATCH)))
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"min_n_gradients": 1}, "min_n_gradients"),
+    ({"min_n_gradients": 8, "max_n_gradients": 4}, "max_n_gradients"),
+    ({"max_n_gradients": 2.5}, "max_n_gradients"),
+    ({"learning_rate": "cubic"}, "learning_rate"),
+    ({"smoothing": 1.0}, "smoothing"),
+    ({"micro_batch_size": 0}, "micro_batch_size"),
+])
+def test_bad_arguments_are_refused_by_name(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        WindowFromNoiseScale(**kwargs)
+
+
+def _refused_before_training(model, match, sizer=None, optimizer=None):
+    x, y = _linear_data(samples=64)
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.01),
+                  loss="mse")
+    weights = model.get_weights()
+    with pytest.raises(ValueError, match=match):
+        model.fit(x, y, batch_size=MICRO_BATCH, epochs=1, verbose=0,
+                  callbacks=[sizer or WindowFromNoiseScale()])
+    assert all(np.array_equal(a, b)
+               for a, b in zip(weights, model.get_weights()))
+
+
+def test_a_model_that_does_not_measure_is_refused():
+    _refused_before_training(_linear_model(n_gradients=2),
+                             "measure_noise_scale=True")
+
+
+def test_a_plain_keras_model_is_refused():
+    _refused_before_training(_linear_model(keras.Model),
+                             "accumulating model")
+
+
+def test_a_schedule_of_windows_is_refused():
+    _refused_before_training(
+        _linear_model(n_gradients={0: 2, 3: 4}, measure_noise_scale=True),
+        "n_gradients itself")
+
+
+def test_windows_kept_across_epochs_are_refused():
+    _refused_before_training(
+        _linear_model(n_gradients=2, measure_noise_scale=True,
+                      flush_each_epoch=False), "flush_each_epoch=True")
+
+
+def test_a_learning_rate_schedule_with_a_rule_is_refused():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.01, 10, 0.9)
+    _refused_before_training(
+        _linear_model(n_gradients=2, measure_noise_scale=True),
+        "learning_rate=None",
+        sizer=WindowFromNoiseScale(learning_rate="linear"),
+        optimizer=keras.optimizers.SGD(schedule))
+
+
+def test_a_schedule_runs_untouched_without_a_rule():
+    schedule = keras.optimizers.schedules.ExponentialDecay(1e-4, 100, 0.5)
+    x, y = _linear_data()
+    model = accumulating(_linear_model(keras.Model), n_gradients=2,
+                         measure_noise_scale=True)
+    model.compile(optimizer=keras.optimizers.SGD(schedule), loss="mse")
+    history = model.fit(x, y, batch_size=MICRO_BATCH, epochs=2, verbose=0,
+                        callbacks=[WindowFromNoiseScale()]).history
+    assert all(math.isnan(v) for v in history["window_learning_rate"])
+    assert isinstance(model, AccumulatingModel)
+
+
+def test_two_replicas_size_the_window_as_one_device(two_replicas):
+    x, y = _linear_data()
+    _, one = _fit(WindowFromNoiseScale(), learning_rate=0.0, epochs=2)
+    with two_replicas.scope():
+        model = _linear_model(n_gradients=2, measure_noise_scale=True)
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+        keras.utils.set_random_seed(0)
+        two = model.fit(x, y, batch_size=MICRO_BATCH, epochs=2, verbose=0,
+                        callbacks=[WindowFromNoiseScale()]).history
+    assert two["window_n_gradients"] == one["window_n_gradients"]
