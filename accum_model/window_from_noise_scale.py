@@ -115,6 +115,7 @@ class WindowFromNoiseScale(keras.callbacks.Callback):
         self.smoothed_noise_scale = None
         self.start_n_gradients = None
         self.start_learning_rate = None
+        self._adopted = False
 
     # Before training ---------------------------------------------------------
 
@@ -143,6 +144,7 @@ class WindowFromNoiseScale(keras.callbacks.Callback):
                 "where fit() applies the open window: use "
                 "flush_each_epoch=True. Received: flush_each_epoch=False")
         self._micro_batch()
+        self._adopted = False
         if self.start_n_gradients is None:
             self.start_n_gradients = n_gradients
         if self.learning_rate is not None and self.start_learning_rate is None:
@@ -169,6 +171,28 @@ class WindowFromNoiseScale(keras.callbacks.Callback):
 
     # Between epochs ----------------------------------------------------------
 
+    def on_epoch_begin(self, epoch, logs=None):
+        # A checkpoint restored as training began (`BackupAndRestore` loads
+        # in its own `on_train_begin`) carries the state this callback had
+        # when it was saved: the training goes on from there, rather than
+        # from the restored learning rate as if it were the starting one.
+        if self._adopted:
+            return
+        self._adopted = True
+        saved = getattr(self.model, "_window_checkpoint", None)
+        state = getattr(saved, "sizer_state", None)
+        if state is None:
+            return
+        smoothed, start_n, start_learning_rate, n_gradients = (
+            float(v) for v in state)
+        self.smoothed_noise_scale = (None if math.isnan(smoothed)
+                                     else smoothed)
+        self.start_n_gradients = int(start_n)
+        if not math.isnan(start_learning_rate):
+            self.start_learning_rate = start_learning_rate
+        if int(n_gradients) != self.model.n_gradients:
+            self.model.n_gradients = int(n_gradients)
+
     def on_epoch_end(self, epoch, logs=None):
         model = self.model
         measured = (logs or {}).get("noise_scale")
@@ -186,6 +210,13 @@ class WindowFromNoiseScale(keras.callbacks.Callback):
                 adapter.set_learning_rate(
                     model.optimizer, self.start_learning_rate
                     * self.learning_rate_scale(n_gradients))
+        model._window_checkpoint.sizer_state = [
+            math.nan if self.smoothed_noise_scale is None
+            else self.smoothed_noise_scale,
+            self.start_n_gradients,
+            math.nan if self.start_learning_rate is None
+            else self.start_learning_rate,
+            model.n_gradients]
         if logs is not None:
             logs["smoothed_noise_scale"] = (
                 float("nan") if self.smoothed_noise_scale is None

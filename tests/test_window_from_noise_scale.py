@@ -242,3 +242,40 @@ def test_two_replicas_size_the_window_as_one_device(two_replicas):
         two = model.fit(x, y, batch_size=MICRO_BATCH, epochs=2, verbose=0,
                         callbacks=[WindowFromNoiseScale()]).history
     assert two["window_n_gradients"] == one["window_n_gradients"]
+
+
+class _Interrupt(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1:
+            raise RuntimeError("interrupted")
+
+
+def test_a_resumed_training_keeps_the_window_and_learning_rate(tmp_path):
+    # BackupAndRestore saves the callback's state beside the window in the
+    # model's file: the resumed epochs size and scale as the uninterrupted
+    # training does, rather than taking the restored learning rate for
+    # the starting one.
+    x, y = _linear_data()
+
+    def fit(callbacks):
+        keras.utils.set_random_seed(0)
+        model = _linear_model(n_gradients=2, measure_noise_scale=True)
+        model.compile(optimizer=keras.optimizers.SGD(1e-4), loss="mse")
+        return model, model.fit(
+            x, y, batch_size=MICRO_BATCH, epochs=4, shuffle=False, verbose=0,
+            callbacks=[WindowFromNoiseScale(learning_rate="linear")]
+            + callbacks).history
+
+    _, whole = fit([])
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    with pytest.raises(RuntimeError, match="interrupted"):
+        fit([backup, _Interrupt()])
+    model, resumed = fit([keras.callbacks.BackupAndRestore(
+        str(tmp_path / "backup"))])
+    assert len(resumed["window_n_gradients"]) == 2
+    assert resumed["window_n_gradients"] == whole["window_n_gradients"][2:]
+    assert whole["window_n_gradients"][1] != 2
+    np.testing.assert_allclose(resumed["window_learning_rate"],
+                               whole["window_learning_rate"][2:], rtol=1e-5)
+    np.testing.assert_allclose(resumed["smoothed_noise_scale"],
+                               whole["smoothed_noise_scale"][2:], rtol=1e-3)

@@ -23,6 +23,13 @@ COUNTERS = ("weight_sum", "sample_sum", "micro_steps", "skipped_windows",
 SUMMED = ("weight_sum", "sample_sum", "loss_sum")
 
 
+# The state of the window-sizing callback (`WindowFromNoiseScale`), saved
+# beside the window once it has run: float64 [smoothed noise scale (NaN:
+# none yet), starting n_gradients, starting learning rate (NaN: none),
+# current n_gradients].
+SIZER = "window_sizer"
+
+
 def empty_state():
     """The arrays of a file saved while no window existed."""
     return {
@@ -131,9 +138,21 @@ class RestoredWindow:
         self._pending = None
         # Micro steps of the window the last restore wrote (or holds).
         self.restored_micro_steps = 0
+        # The window-sizing callback's state (`SIZER`), saved or restored,
+        # or None.
+        self.sizer_state = None
+
+    def with_sizer_state(self, arrays):
+        """`arrays` (a window to save) with the sizing callback's state."""
+        if arrays is not None and self.sizer_state is not None:
+            arrays = {**arrays, SIZER: np.asarray(self.sizer_state,
+                                                  np.float64)}
+        return arrays
 
     def restore_state(self, arrays):
         """Restores the window saved as `arrays` (empty: no window open)."""
+        if SIZER in arrays:
+            self.sizer_state = np.asarray(arrays[SIZER], np.float64)
         arrays = read(arrays)
         self.restored_micro_steps = int(counter(arrays, "micro_steps"))
         if not self._window_exists():

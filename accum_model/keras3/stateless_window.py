@@ -610,7 +610,7 @@ class WindowCheckpoint(KerasSaveable, layout.RestoredWindow):
         )
 
     def save_own_variables(self, store):
-        arrays = self.saved_state()
+        arrays = self.with_sizer_state(self.saved_state())
         for key, value in (arrays or {}).items():
             store[key] = value
 

@@ -34,7 +34,8 @@ class WindowCheckpoint(KerasSaveable, checkpoint.WindowCheckpoint):
 
     def save_own_variables(self, store):
         if self.has_state():
-            for key, value in self.saved_state().items():
+            for key, value in self.with_sizer_state(
+                    self.saved_state()).items():
                 store[key] = value
 
     def load_own_variables(self, store):
