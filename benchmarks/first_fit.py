@@ -2,7 +2,7 @@
 
 Each configuration trains in a fresh process (so its first `fit()` traces
 everything it needs), `keras.applications.MobileNetV2(weights=None)` on
-generated 32x32x3 images by default:
+generated 32x32x3 images by default (`--image-size` for others):
 
 * "keras n*b": plain Keras with the large batch (the reference);
 * "keras b": plain Keras with the micro-batch (the same steps' compute);
@@ -35,10 +35,11 @@ def child(args):
 
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(args.samples, 32, 32, 3)).astype("float32")
+    size = args.image_size
+    x = rng.normal(size=(args.samples, size, size, 3)).astype("float32")
     y = rng.integers(0, 10, size=args.samples)
     model = keras.applications.MobileNetV2(
-        weights=None, input_shape=(32, 32, 3), classes=10)
+        weights=None, input_shape=(size, size, 3), classes=10)
     batch_size = args.micro_batch
     if args.configuration == "accum b x n":
         model = accumulating(model, n_gradients=args.n_gradients)
@@ -72,6 +73,7 @@ def main():
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--n-gradients", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--backend", choices=("tensorflow", "jax"),
                         default="tensorflow")
     parser.add_argument("--configuration", help=argparse.SUPPRESS)
@@ -90,12 +92,14 @@ def main():
                 [sys.executable, __file__, "--configuration", name,
                  "--samples", str(args.samples), "--micro-batch",
                  str(args.micro_batch), "--n-gradients",
-                 str(args.n_gradients), "--epochs", str(args.epochs)],
+                 str(args.n_gradients), "--epochs", str(args.epochs),
+                 "--image-size", str(args.image_size)],
                 env=env, capture_output=True, text=True, check=True)
             times[name].append(json.loads(result.stdout.strip().splitlines()
                                           [-1]))
     b, n = args.micro_batch, args.n_gradients
-    print(f"{args.backend}; MobileNetV2 32x32, {args.samples} images, "
+    print(f"{args.backend}; MobileNetV2 {args.image_size}x{args.image_size}"
+          f", {args.samples} images, "
           f"{args.epochs} epochs, b={b}, n={n}; median of {args.rounds} "
           "fresh processes (s)")
     print("| configuration | first fit() | first epoch | after the last "
