@@ -18,7 +18,6 @@ Run: python benchmarks/noise_scale.py            (about 6 minutes, 2 cores)
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import platform
@@ -36,6 +35,7 @@ from run_benchmarks import build  # noqa: E402
 from run_benchmarks import data  # noqa: E402
 from run_benchmarks import interleaved  # noqa: E402
 from run_benchmarks import summary  # noqa: E402
+from window_from_noise_scale import digits_example  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -67,16 +67,8 @@ def cost(model_name, rounds, micro_batches):
     }
 
 
-def _digits_example():
-    path = os.path.join(HERE, "..", "examples", "train_digits.py")
-    spec = importlib.util.spec_from_file_location("train_digits", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def digits_reading(epochs, micro_batch=16, n_gradients=4):
-    example = _digits_example()
+    example = digits_example()
     (x, y), validation = example.load_data()
     keras.utils.set_random_seed(0)
     model = example.build_cnn(AccumulatingModel, n_gradients=n_gradients,

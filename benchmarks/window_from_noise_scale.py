@@ -45,7 +45,8 @@ FIXED = (1, 2, 4, 8, 16)
 TARGETS = {"digits": 0.5, "lstm": 0.1}
 
 
-def _digits_example():
+def digits_example():
+    """`examples/train_digits.py`, imported as a module."""
     path = os.path.join(HERE, "..", "examples", "train_digits.py")
     spec = importlib.util.spec_from_file_location("train_digits", path)
     module = importlib.util.module_from_spec(spec)
@@ -54,7 +55,7 @@ def _digits_example():
 
 
 def digits_problem():
-    example = _digits_example()
+    example = digits_example()
     train, validation = example.load_data()
     return train, validation, example.build_cnn
 
