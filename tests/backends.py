@@ -1,11 +1,11 @@
-"""Which Keras backend the suite runs on, and what only TensorFlow has.
+"""Which Keras backend the suite runs on, and what only one backend has.
 
 The promise's tests run on every backend accum_model supports
 (`KERAS_BACKEND=tensorflow`, the default, `jax` or `torch`); a test of
 something only one backend offers (TensorFlow's distribution strategies,
 `tf.data`, Keras 2; JAX's `keras.distribution` and stateless step) is
 marked with `tensorflow_only` or `jax_only`, and skipped elsewhere with
-the reason; `not_on_torch` marks what Keras itself refuses on PyTorch.
+the reason; `not_on_jax` marks what JAX refuses (tested there).
 """
 
 import keras
@@ -28,6 +28,6 @@ def jax_only(reason):
     return pytest.mark.skipif(not ON_JAX, reason=f"JAX backend only: {reason}")
 
 
-def not_on_torch(reason):
-    """Marks a test of something Keras 3 does not offer on PyTorch."""
-    return pytest.mark.skipif(ON_TORCH, reason=f"not on PyTorch: {reason}")
+def not_on_jax(reason):
+    """Marks a test of something the JAX backend refuses (tested there)."""
+    return pytest.mark.skipif(ON_JAX, reason=f"not on JAX: {reason}")

@@ -11,6 +11,7 @@ import pytest
 
 from accum_model import AccumulatingModel
 from backends import ON_TENSORFLOW
+from backends import not_on_jax
 from backends import tensorflow_only
 from helpers import iterations, max_weight_difference, mlp, regression_data
 
@@ -362,7 +363,7 @@ def test_model_with_a_window_open_exports_for_serving(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [
-    "bfloat16", pytest.param("float64", marks=tensorflow_only(
+    "bfloat16", pytest.param("float64", marks=not_on_jax(
         "float64 on JAX needs jax_enable_x64"))])
 def test_resume_keeps_a_window_of_another_accumulator_dtype(dtype, tmp_path):
     reference = _uninterrupted("adam", accumulator_dtype=dtype)

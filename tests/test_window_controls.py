@@ -10,7 +10,7 @@ import pytest
 
 from accum_model import AccumulatingModel
 from accum_model import accumulating
-from backends import tensorflow_only
+from backends import not_on_jax
 from helpers import iterations, max_weight_difference, mlp, regression_data
 from helpers import skip_unless_executions_stop_cleanly
 
@@ -192,7 +192,7 @@ def test_update_signal_does_not_mark_a_window_skipped_for_overflow():
 
 
 @pytest.mark.parametrize("dtype, tolerance", [
-    pytest.param("float64", 1e-5, marks=tensorflow_only(
+    pytest.param("float64", 1e-5, marks=not_on_jax(
         "float64 on JAX needs jax_enable_x64, refused otherwise "
         "(tests/test_backends.py)")),
     ("float32", 1e-5), ("bfloat16", 3e-2), ("float16", 3e-3),
