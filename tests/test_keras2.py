@@ -1094,10 +1094,17 @@ def test_noise_scale_is_the_data_sets():
     np.testing.assert_allclose(history["noise_scale"], reference, rtol=0.15)
 
 
-def test_window_from_noise_scale_sizes_the_window_and_learning_rate():
+@pytest.mark.parametrize("make_optimizer", [
+    lambda: keras.optimizers.SGD(1e-4),
+    lambda: keras.optimizers.legacy.SGD(1e-4),
+], ids=["optimizer", "legacy_optimizer"])
+def test_window_from_noise_scale_sizes_the_window_and_learning_rate(
+        make_optimizer):
     # The linear regression above, learning rate 1e-4: the noise scale
     # grows as the loss falls, and the window and the learning rate
-    # ("linear") follow it, as on Keras 3 (test_window_from_noise_scale.py).
+    # ("linear") follow it, as on Keras 3 (test_window_from_noise_scale.py),
+    # with either kind of Keras 2 optimizer (the legacy one keeps its
+    # learning rate among its hyperparameters).
     from accum_model import WindowFromNoiseScale
 
     rng = np.random.default_rng(0)
@@ -1108,7 +1115,7 @@ def test_window_from_noise_scale_sizes_the_window_and_learning_rate():
     outputs = keras.layers.Dense(1, kernel_initializer="zeros")(inputs)
     model = AccumulatingModel(inputs, outputs, n_gradients=2,
                               measure_noise_scale=True)
-    model.compile(optimizer=keras.optimizers.SGD(1e-4), loss="mse")
+    model.compile(optimizer=make_optimizer(), loss="mse")
     history = model.fit(x, y, batch_size=4, epochs=3, verbose=0, callbacks=[
         WindowFromNoiseScale(learning_rate="linear")]).history
     for noise, window, rate in zip(history["smoothed_noise_scale"],

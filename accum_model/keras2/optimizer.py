@@ -168,15 +168,24 @@ class LossScaling(OptimizerDuties):
 def learning_rate_of(optimizer):
     """The float learning rate `optimizer` (or, under loss scaling, the
     optimizer it wraps) applies, or None where it follows a schedule or a
-    callable (private `_learning_rate`, checked on TensorFlow 2.13-2.15 and tf-keras 2.21)."""
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    value = getattr(inner, "_learning_rate", None)
-    if not hasattr(value, "assign"):
-        return None
-    return float(np.asarray(value.numpy()))
+    callable."""
+    variable = _learning_rate_variable(optimizer)
+    return None if variable is None else float(np.asarray(variable.numpy()))
 
 
 def set_learning_rate(optimizer, value):
     """Sets a float learning rate (see `learning_rate_of`), eagerly."""
+    _learning_rate_variable(optimizer).assign(value)
+
+
+def _learning_rate_variable(optimizer):
+    """The variable holding a float learning rate, or None: a legacy
+    `OptimizerV2` keeps it among its hyperparameters (`_get_hyper`, which
+    creates them), the optimizers of TF 2.11+ in `_learning_rate`. Checked
+    on TensorFlow 2.13.1, 2.15.1 and tf-keras 2.21.0."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    inner._learning_rate.assign(value)
+    if isinstance(inner, _optimizer_v2.OptimizerV2):
+        value = inner._get_hyper("learning_rate")
+    else:
+        value = getattr(inner, "_learning_rate", None)
+    return value if hasattr(value, "assign") else None

@@ -43,15 +43,20 @@ def float16_gradient_flags(model, variables):
 def learning_rate_of(optimizer):
     """The float learning rate `optimizer` (or, under loss scaling, the
     optimizer it wraps) applies, or None where it follows a schedule or a
-    callable (private `_learning_rate`, checked on keras 3.6.0, 3.10.0 and 3.15.1)."""
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    value = getattr(inner, "_learning_rate", None)
-    if not hasattr(value, "assign"):
-        return None
-    return float(np.asarray(value.numpy()))
+    callable."""
+    variable = _learning_rate_variable(optimizer)
+    return None if variable is None else float(np.asarray(variable.numpy()))
 
 
 def set_learning_rate(optimizer, value):
     """Sets a float learning rate (see `learning_rate_of`), eagerly."""
+    _learning_rate_variable(optimizer).assign(value)
+
+
+def _learning_rate_variable(optimizer):
+    """The variable holding a float learning rate (private `_learning_rate`,
+    a schedule or a callable otherwise), or None. Checked on keras 3.6.0,
+    3.10.0 and 3.15.1."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    inner._learning_rate.assign(value)
+    value = getattr(inner, "_learning_rate", None)
+    return value if hasattr(value, "assign") else None
