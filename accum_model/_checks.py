@@ -116,7 +116,7 @@ def check_micro_batches_split_evenly(fit_arguments):
         fit_arguments: `fit()`'s arguments by name.
     """
     ways = adapter.batch_split_ways()
-    samples = _samples_in(fit_arguments.get("x"))
+    samples = samples_in(fit_arguments.get("x"))
     if ways == 1 or samples is None:
         return
     validation_split = fit_arguments.get("validation_split") or 0.0
@@ -141,7 +141,7 @@ def check_micro_batches_split_evenly(fit_arguments):
         f"samples={samples}")
 
 
-def _samples_in(x):
+def samples_in(x):
     """The number of samples in array data, or None for other data."""
     values = flatten(x)
     shape = getattr(values[0], "shape", None) if values else None

@@ -2,6 +2,7 @@
 
 import inspect
 
+from accum_model._checks import samples_in
 from accum_model._chooser import adapter
 from accum_model._chooser import keras
 from accum_model.window_from_noise_scale import WindowFromNoiseScale
@@ -169,15 +170,9 @@ def _micro_batch_size(arguments):
     """The samples per micro step `fit()` was asked for: its `batch_size`,
     Keras's 32 for arrays without one, None for a dataset or generator."""
     batch_size = arguments.get("batch_size")
-    if batch_size is not None:
-        return batch_size
-    x = arguments.get("x")
-    first = x[0] if isinstance(x, (list, tuple)) and x else x
-    if isinstance(first, dict) and first:
-        first = next(iter(first.values()))
-    if hasattr(first, "shape") and hasattr(first, "__len__"):
+    if batch_size is None and samples_in(arguments.get("x")) is not None:
         return 32
-    return None
+    return batch_size
 
 
 def _window_sizers_first(callbacks, batch_size):

@@ -525,7 +525,8 @@ def end_window(accumulation, operands):
 
 
 class LossScaling(OptimizerDuties):
-    """The compiled optimizer's duties on JAX, taken apart for windows.
+    """The compiled optimizer's duties on JAX and PyTorch, taken apart for
+    windows.
 
     Each micro step scales its loss by the `LossScaleOptimizer`'s dynamic
     scale S times its share of the window (1/n), and unscales its

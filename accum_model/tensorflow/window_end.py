@@ -163,14 +163,12 @@ class WindowEnd:
             report_and_move_statistics), replicas.do_nothing)
         # Side by side rather than nested: each nested condition captures
         # every gradient again, which a large model pays for in tracing.
+        applies = (tf.logical_and(has_samples, finite) if self.checks_finite
+                   else has_samples)
+        tf.cond(applies, replicas.without_result(update), replicas.do_nothing)
         if self.checks_finite:
-            tf.cond(tf.logical_and(has_samples, finite),
-                    replicas.without_result(update), replicas.do_nothing)
             tf.cond(tf.logical_and(has_samples, tf.logical_not(finite)),
                     replicas.without_result(skip), replicas.do_nothing)
-        else:
-            tf.cond(has_samples, replicas.without_result(update),
-                    replicas.do_nothing)
         replicas.for_each_replica(window.reset)
 
     def _fits_float16(self, total_weight, gradient_totals):
