@@ -36,9 +36,12 @@ class WindowFromNoiseScale(keras.callbacks.Callback):
     smoothed value as they were. The window changes only between epochs,
     where `fit()` applies the open window (`flush_each_epoch=True`).
 
-    With `learning_rate` set, the optimizer's float learning rate follows
-    the window, relative to the learning rate and window the training
-    started with (n0 and lr0; the window's scale r = n / n0):
+    With `learning_rate` set, the optimizer's learning rate follows the
+    window, relative to the learning rate and window the training started
+    with (n0 and lr0; the window's scale r = n / n0). A float learning rate
+    is set; a `LearningRateSchedule` keeps running on the optimizer's
+    updates and is multiplied by the factor (it is wrapped, once, in a
+    schedule that holds the factor and is saved with the optimizer):
 
     - `None`: left as it is;
     - `"linear"`: lr0 * r, the linear scaling rule (SGD, batches below the
@@ -50,7 +53,8 @@ class WindowFromNoiseScale(keras.callbacks.Callback):
       close to 1 far above it.
 
     Each epoch's logs get `smoothed_noise_scale`, `window_n_gradients` and
-    `window_learning_rate`: the values set for the next epoch.
+    `window_learning_rate`: the values set for the next epoch (the
+    learning rate is the one the next update applies).
 
     Args:
         min_n_gradients: Int >= 2, the smallest window (a window of one
@@ -69,8 +73,8 @@ class WindowFromNoiseScale(keras.callbacks.Callback):
         ValueError: For bounds, a rule or a smoothing out of range (here),
             and before training for a model that does not accumulate or
             does not measure the noise scale, an `n_gradients` schedule, a
-            learning rate that follows a schedule while a rule is set, an
-            unknown micro-batch size, or `flush_each_epoch=False`.
+            rule for a learning rate that is a bare callable, an unknown
+            micro-batch size, or `flush_each_epoch=False`.
     """
 
     def __init__(self, min_n_gradients=2, max_n_gradients=64,
@@ -114,7 +118,12 @@ class WindowFromNoiseScale(keras.callbacks.Callback):
         self.fit_batch_size = None
         self.smoothed_noise_scale = None
         self.start_n_gradients = None
+        # What the rule scales as training started: the float learning
+        # rate, or the factor on a schedule.
         self.start_learning_rate = None
+        # The optimizer's learning rate or schedule factor, as the adapter
+        # reads and sets it (found as training begins).
+        self._scaled = None
         self._adopted = False
 
     # Before training ---------------------------------------------------------
@@ -147,15 +156,19 @@ class WindowFromNoiseScale(keras.callbacks.Callback):
         self._adopted = False
         if self.start_n_gradients is None:
             self.start_n_gradients = n_gradients
-        if self.learning_rate is not None and self.start_learning_rate is None:
-            start = adapter.learning_rate_of(model.optimizer)
-            if start is None:
+        if self.learning_rate is not None:
+            self._scaled = adapter.scalable_learning_rate(model)
+            if self._scaled is None:
                 raise ValueError(
                     f"learning_rate={self.learning_rate!r} scales a float "
-                    "learning rate, and this optimizer's follows a schedule "
-                    "(or a callable). Compile with a float learning rate, or "
-                    "use learning_rate=None and let the schedule run.")
-            self.start_learning_rate = start
+                    "learning rate or a keras LearningRateSchedule, and this "
+                    "optimizer's learning rate is a callable, which has no "
+                    "scale to set. Write it as a LearningRateSchedule "
+                    "subclass, or use learning_rate=None and let it run. "
+                    f"Received: {type(model.optimizer).__name__}"
+                    "(learning_rate=<callable>)")
+            if self.start_learning_rate is None:
+                self.start_learning_rate = self._scaled.value()
 
     def _micro_batch(self):
         """b, in the noise scale's units; raises where it is unknown."""
@@ -192,6 +205,10 @@ class WindowFromNoiseScale(keras.callbacks.Callback):
             self.start_learning_rate = start_learning_rate
         if int(n_gradients) != self.model.n_gradients:
             self.model.n_gradients = int(n_gradients)
+        if self._scaled is not None:
+            # A float learning rate comes back with the optimizer's
+            # variables; a schedule's factor does not.
+            self._scaled.set(self._scaled_value(int(n_gradients)))
 
     def on_epoch_end(self, epoch, logs=None):
         model = self.model
@@ -206,10 +223,8 @@ class WindowFromNoiseScale(keras.callbacks.Callback):
             n_gradients = self.window_for(self.smoothed_noise_scale)
             if n_gradients != model.n_gradients:
                 model.n_gradients = n_gradients
-            if self.learning_rate is not None:
-                adapter.set_learning_rate(
-                    model.optimizer, self.start_learning_rate
-                    * self.learning_rate_scale(n_gradients))
+            if self._scaled is not None:
+                self._scaled.set(self._scaled_value(n_gradients))
         model._window_checkpoint.sizer_state = [
             math.nan if self.smoothed_noise_scale is None
             else self.smoothed_noise_scale,
@@ -233,6 +248,13 @@ class WindowFromNoiseScale(keras.callbacks.Callback):
         nearest = 2 ** round(math.log2(ratio)) if ratio > 0 else 1
         return int(min(self.max_n_gradients,
                        max(self.min_n_gradients, nearest)))
+
+    def _scaled_value(self, n_gradients):
+        """The learning rate, or a schedule's factor, for `n_gradients`."""
+        if self.smoothed_noise_scale is None:
+            return self.start_learning_rate
+        return (self.start_learning_rate
+                * self.learning_rate_scale(n_gradients))
 
     def learning_rate_scale(self, n_gradients):
         """Float. lr / lr0 for a window of `n_gradients` (see the class)."""

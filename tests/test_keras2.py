@@ -1111,9 +1111,7 @@ def test_window_from_noise_scale_sizes_the_window_and_learning_rate(
     x = rng.normal(size=(8192, 4)).astype("float32")
     y = (x @ np.array([1.0, -0.5, 0.8, 0.3], np.float32)
          + 2.0 * rng.normal(size=8192)).astype("float32")[:, None]
-    inputs = keras.Input((4,))
-    outputs = keras.layers.Dense(1, kernel_initializer="zeros")(inputs)
-    model = AccumulatingModel(inputs, outputs, n_gradients=2,
+    model = _noise_regression(AccumulatingModel, n_gradients=2,
                               measure_noise_scale=True)
     model.compile(optimizer=make_optimizer(), loss="mse")
     history = model.fit(x, y, batch_size=4, epochs=3, verbose=0, callbacks=[
@@ -1127,6 +1125,62 @@ def test_window_from_noise_scale_sizes_the_window_and_learning_rate(
     assert model.n_gradients == history["window_n_gradients"][-1]
     assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(
         history["window_learning_rate"][-1], rel=1e-5)
+
+
+def _noise_regression(model_class, **settings):
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(1, kernel_initializer="zeros")(inputs)
+    return model_class(inputs, outputs, **settings)
+
+
+class _ScaledFrom(keras.optimizers.schedules.LearningRateSchedule):
+    """`schedule` times `factor` from the update `start` on."""
+
+    def __init__(self, schedule, factor, start):
+        super().__init__()
+        self.schedule, self.factor, self.start = schedule, factor, start
+
+    def __call__(self, step):
+        return self.schedule(step) * tf.where(
+            tf.cast(step, tf.float32) >= self.start, self.factor, 1.0)
+
+
+@pytest.mark.parametrize("legacy", [False, True],
+                         ids=["optimizer", "legacy_optimizer"])
+def test_window_from_noise_scale_scales_a_schedule_as_the_large_batch(
+        legacy):
+    # The window goes from 2 to 4 after the first epoch: the "linear" rule
+    # doubles the decaying schedule from there, and plain Keras 2 with the
+    # large batch (8, then 16) and the schedule doubled from the same
+    # update agrees (test_window_from_noise_scale.py on Keras 3).
+    from accum_model import WindowFromNoiseScale
+
+    optimizer_class = (keras.optimizers.legacy.SGD if legacy
+                       else keras.optimizers.SGD)
+
+    def decaying():
+        return keras.optimizers.schedules.ExponentialDecay(0.05, 32, 0.5)
+
+    x, y = regression_data(samples=512, features=4, outputs=1)
+    model = _noise_regression(AccumulatingModel, n_gradients=2,
+                              measure_noise_scale=True)
+    model.compile(optimizer=optimizer_class(decaying(), momentum=0.9),
+                  loss="mse")
+    history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False,
+                        verbose=0, callbacks=[WindowFromNoiseScale(
+                            min_n_gradients=4, max_n_gradients=4,
+                            learning_rate="linear")]).history
+    reference = _noise_regression(keras.Model)
+    reference.compile(optimizer=optimizer_class(
+        _ScaledFrom(decaying(), 2.0, 64), momentum=0.9), loss="mse")
+    reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations) == 96
+    assert int(reference.optimizer.iterations) == 96
+    for ours, theirs in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert history["window_learning_rate"][0] == pytest.approx(
+        2 * float(decaying()(64)), rel=1e-6)
 
 
 def test_fit_before_compile_gives_keras_own_error():

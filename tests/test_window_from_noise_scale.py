@@ -7,6 +7,7 @@ learning-rate rules give their documented values; bad input is refused
 before training.
 """
 
+import contextlib
 import math
 
 import keras
@@ -211,13 +212,12 @@ def test_windows_kept_across_epochs_are_refused():
                       flush_each_epoch=False), "flush_each_epoch=True")
 
 
-def test_a_learning_rate_schedule_with_a_rule_is_refused():
-    schedule = keras.optimizers.schedules.ExponentialDecay(0.01, 10, 0.9)
+def test_a_callable_learning_rate_with_a_rule_is_refused():
     _refused_before_training(
         _linear_model(n_gradients=2, measure_noise_scale=True),
-        "learning_rate=None",
+        "LearningRateSchedule subclass",
         sizer=WindowFromNoiseScale(learning_rate="linear"),
-        optimizer=keras.optimizers.SGD(schedule))
+        optimizer=keras.optimizers.SGD(lambda: 0.01))
 
 
 def test_a_schedule_runs_untouched_without_a_rule():
@@ -228,8 +228,89 @@ def test_a_schedule_runs_untouched_without_a_rule():
     model.compile(optimizer=keras.optimizers.SGD(schedule), loss="mse")
     history = model.fit(x, y, batch_size=MICRO_BATCH, epochs=2, verbose=0,
                         callbacks=[WindowFromNoiseScale()]).history
-    assert all(math.isnan(v) for v in history["window_learning_rate"])
+    assert model.optimizer._learning_rate is schedule
+    updates = iterations(model)
+    assert history["window_learning_rate"][-1] == pytest.approx(
+        float(keras.ops.convert_to_numpy(schedule(updates))), rel=1e-6)
     assert isinstance(model, AccumulatingModel)
+
+
+class _ScaledFrom(keras.optimizers.schedules.LearningRateSchedule):
+    """The large batch's reference: `schedule` times `factor` from the
+    update `start` on."""
+
+    def __init__(self, schedule, factor, start):
+        self.schedule, self.factor, self.start = schedule, factor, start
+
+    def __call__(self, step):
+        rate = self.schedule(step)
+        return rate * keras.ops.where(
+            keras.ops.cast(step, "float32") >= self.start, self.factor, 1.0)
+
+
+def _decaying():
+    return keras.optimizers.schedules.ExponentialDecay(0.05, 32, 0.5)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_rule_scales_a_schedule_as_the_large_batch(replicas, request):
+    # The window goes from 2 to 4 after the first epoch (both bounds 4):
+    # the "linear" rule doubles the decaying schedule from there, which
+    # keeps running on the updates. Plain Keras with the large batch (8,
+    # then 16) and the schedule doubled from the same update agrees.
+    scope = (request.getfixturevalue("two_replicas").scope()
+             if replicas == 2 else contextlib.nullcontext())
+    x, y = _linear_data(samples=512)
+    first_epoch_updates = len(x) // (2 * MICRO_BATCH)
+    with scope:
+        model = _linear_model(n_gradients=2, measure_noise_scale=True)
+        model.compile(optimizer=keras.optimizers.SGD(_decaying(),
+                                                     momentum=0.9),
+                      loss="mse")
+        history = model.fit(
+            x, y, batch_size=MICRO_BATCH, epochs=2, shuffle=False,
+            verbose=0, callbacks=[WindowFromNoiseScale(
+                min_n_gradients=4, max_n_gradients=4,
+                learning_rate="linear")]).history
+    reference = _linear_model(keras.Model)
+    reference.compile(optimizer=keras.optimizers.SGD(
+        _ScaledFrom(_decaying(), 2.0, first_epoch_updates), momentum=0.9),
+        loss="mse")
+    reference.fit(x, y, batch_size=2 * MICRO_BATCH, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=4 * MICRO_BATCH, shuffle=False, verbose=0)
+    assert iterations(model) == iterations(reference) == (
+        first_epoch_updates * 3 // 2)
+    for ours, theirs in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert history["window_learning_rate"][0] == pytest.approx(
+        2 * float(keras.ops.convert_to_numpy(
+            _decaying()(first_epoch_updates))), rel=1e-6)
+
+
+def test_a_scaled_schedule_is_saved_with_the_model(tmp_path):
+    # The factor is saved in the optimizer's config: a loaded model goes on
+    # training with it (on JAX and PyTorch the window reads it from its
+    # state, which the loaded model's window must take up).
+    x, y = _linear_data(samples=512)
+    model = _linear_model(n_gradients=2, measure_noise_scale=True)
+    model.compile(optimizer=keras.optimizers.SGD(_decaying()), loss="mse")
+    model.fit(x, y, batch_size=MICRO_BATCH, epochs=1, shuffle=False,
+              verbose=0, callbacks=[WindowFromNoiseScale(
+                  min_n_gradients=4, max_n_gradients=4,
+                  learning_rate="linear")])
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    rate = loaded.optimizer._learning_rate
+    assert type(rate).__name__ == "WindowScaledSchedule"
+    assert rate.scale_value() == 2.0
+    for trained in (model, loaded):
+        trained.fit(x, y, batch_size=MICRO_BATCH, epochs=1, shuffle=False,
+                    verbose=0)
+    assert iterations(loaded) == iterations(model)
+    for ours, theirs in zip(model.get_weights(), loaded.get_weights()):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7)
+
 
 
 def test_two_replicas_size_the_window_as_one_device(two_replicas):
@@ -250,23 +331,29 @@ class _Interrupt(keras.callbacks.Callback):
             raise RuntimeError("interrupted")
 
 
-def test_a_resumed_training_keeps_the_window_and_learning_rate(tmp_path):
+@pytest.mark.parametrize("learning_rate", [
+    lambda: 1e-4,
+    lambda: keras.optimizers.schedules.ExponentialDecay(1e-4, 2000, 0.5),
+], ids=["float", "schedule"])
+def test_a_resumed_training_keeps_the_window_and_learning_rate(
+        tmp_path, learning_rate):
     # BackupAndRestore saves the callback's state beside the window in the
     # model's file: the resumed epochs size and scale as the uninterrupted
     # training does, rather than taking the restored learning rate for
-    # the starting one.
+    # the starting one (a float), or starting the schedule's factor anew.
     x, y = _linear_data()
 
     def fit(callbacks):
         keras.utils.set_random_seed(0)
         model = _linear_model(n_gradients=2, measure_noise_scale=True)
-        model.compile(optimizer=keras.optimizers.SGD(1e-4), loss="mse")
+        model.compile(optimizer=keras.optimizers.SGD(learning_rate()),
+                      loss="mse")
         return model, model.fit(
             x, y, batch_size=MICRO_BATCH, epochs=4, shuffle=False, verbose=0,
             callbacks=[WindowFromNoiseScale(learning_rate="linear")]
             + callbacks).history
 
-    _, whole = fit([])
+    whole_model, whole = fit([])
     backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
     with pytest.raises(RuntimeError, match="interrupted"):
         fit([backup, _Interrupt()])
@@ -279,3 +366,5 @@ def test_a_resumed_training_keeps_the_window_and_learning_rate(tmp_path):
                                whole["window_learning_rate"][2:], rtol=1e-5)
     np.testing.assert_allclose(resumed["smoothed_noise_scale"],
                                whole["smoothed_noise_scale"][2:], rtol=1e-3)
+    for ours, theirs in zip(model.get_weights(), whole_model.get_weights()):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-7)

@@ -21,8 +21,8 @@ from accum_model.keras2.normalization import pools_moving_statistics
 from accum_model.keras2.normalization import recording_batch_statistics
 from accum_model.keras2.optimizer import check_optimizer
 from accum_model.keras2.optimizer import float16_gradient_flags
-from accum_model.keras2.optimizer import learning_rate_of
-from accum_model.keras2.optimizer import set_learning_rate
+from accum_model.keras2.learning_rate import learning_rate_of
+from accum_model.keras2.learning_rate import scalable_learning_rate
 from accum_model.keras2.saving import Functional
 from accum_model.keras2.saving import WindowCheckpoint
 from accum_model.keras2.saving import clones_through_constructor
@@ -88,8 +88,8 @@ __all__ = [
     "recording_loss_reductions",
     "register_plain_name",
     "replicas_in_sync",
+    "scalable_learning_rate",
     "serialize_as",
-    "set_learning_rate",
     "stateless_accumulate_gradients",
     "steps_per_execution",
     "track_loss",

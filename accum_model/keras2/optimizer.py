@@ -12,7 +12,6 @@ optimizers (`optimizers.legacy`) are built through the private
 / TF 2.15.1 and keras 2.13.1 / TF 2.13.1.
 """
 
-import numpy as np
 import tensorflow as tf
 
 from accum_model.core.optimizer_duties import OptimizerDuties
@@ -23,8 +22,7 @@ from accum_model.tensorflow.optimizer_duties import scaled_gradients
 _optimizer_v2 = src("optimizers.legacy.optimizer_v2")
 _autocast_variable = src("mixed_precision.autocast_variable")
 
-__all__ = ["LossScaling", "check_optimizer", "float16_gradient_flags",
-           "learning_rate_of", "set_learning_rate"]
+__all__ = ["LossScaling", "check_optimizer", "float16_gradient_flags"]
 
 
 def float16_gradient_flags(model, variables):
@@ -163,29 +161,3 @@ class LossScaling(OptimizerDuties):
                 pairs, experimental_aggregate_gradients=False)
         else:
             optimizer.apply_gradients(pairs, skip_gradients_aggregation=True)
-
-
-def learning_rate_of(optimizer):
-    """The float learning rate `optimizer` (or, under loss scaling, the
-    optimizer it wraps) applies, or None where it follows a schedule or a
-    callable."""
-    variable = _learning_rate_variable(optimizer)
-    return None if variable is None else float(np.asarray(variable.numpy()))
-
-
-def set_learning_rate(optimizer, value):
-    """Sets a float learning rate (see `learning_rate_of`), eagerly."""
-    _learning_rate_variable(optimizer).assign(value)
-
-
-def _learning_rate_variable(optimizer):
-    """The variable holding a float learning rate, or None: a legacy
-    `OptimizerV2` keeps it among its hyperparameters (`_get_hyper`, which
-    creates them), the optimizers of TF 2.11+ in `_learning_rate`. Checked
-    on TensorFlow 2.13.1, 2.15.1 and tf-keras 2.21.0."""
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    if isinstance(inner, _optimizer_v2.OptimizerV2):
-        value = inner._get_hyper("learning_rate")
-    else:
-        value = getattr(inner, "_learning_rate", None)
-    return value if hasattr(value, "assign") else None

@@ -24,8 +24,8 @@ from accum_model.keras3.losses import track_loss
 from accum_model.keras3.normalization import pools_moving_statistics
 from accum_model.keras3.optimizer import check_optimizer
 from accum_model.keras3.optimizer import float16_gradient_flags
-from accum_model.keras3.optimizer import learning_rate_of
-from accum_model.keras3.optimizer import set_learning_rate
+from accum_model.keras3.learning_rate import learning_rate_of
+from accum_model.keras3.learning_rate import scalable_learning_rate
 from accum_model.keras3.saving import Functional
 from accum_model.keras3.saving import clones_through_constructor
 from accum_model.keras3.saving import functional_constructor_signature
@@ -145,8 +145,8 @@ __all__ = [
     "recording_loss_reductions",
     "register_plain_name",
     "replicas_in_sync",
+    "scalable_learning_rate",
     "serialize_as",
-    "set_learning_rate",
     "stateless_accumulate_gradients",
     "steps_per_execution",
     "track_loss",

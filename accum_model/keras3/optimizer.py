@@ -5,10 +5,7 @@ and which optimizers a window applies. The `LossScaleOptimizer` taken apart
 for windows is each backend's (`tensorflow_optimizer`, `jax_training`).
 """
 
-import numpy as np
-
-__all__ = ["check_optimizer", "float16_gradient_flags", "learning_rate_of",
-           "set_learning_rate"]
+__all__ = ["check_optimizer", "float16_gradient_flags"]
 
 
 def check_optimizer(optimizer, model):
@@ -38,25 +35,3 @@ def float16_gradient_flags(model, variables):
         and getattr(v, "_autocast", True)
         for v in variables
     ]
-
-
-def learning_rate_of(optimizer):
-    """The float learning rate `optimizer` (or, under loss scaling, the
-    optimizer it wraps) applies, or None where it follows a schedule or a
-    callable."""
-    variable = _learning_rate_variable(optimizer)
-    return None if variable is None else float(np.asarray(variable.numpy()))
-
-
-def set_learning_rate(optimizer, value):
-    """Sets a float learning rate (see `learning_rate_of`), eagerly."""
-    _learning_rate_variable(optimizer).assign(value)
-
-
-def _learning_rate_variable(optimizer):
-    """The variable holding a float learning rate (private `_learning_rate`,
-    a schedule or a callable otherwise), or None. Checked on keras 3.6.0,
-    3.10.0 and 3.15.1."""
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    value = getattr(inner, "_learning_rate", None)
-    return value if hasattr(value, "assign") else None

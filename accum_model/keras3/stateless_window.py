@@ -30,6 +30,7 @@ from accum_model.core.lifecycle import WindowLifecycle
 from accum_model.core.messages import window_is_open
 from accum_model.core.optimizer_duties import OptimizerDuties
 from accum_model.core.variables import is_overwritten_with_gradient
+from accum_model.keras3 import learning_rate
 from accum_model.keras3.stateless_normalization import PooledStatistics
 from accum_model.keras3.stateless_ops import KERAS_OPS
 
@@ -64,10 +65,14 @@ class WindowState(typing.NamedTuple):
     # BatchNormalization's pooled moments: per pooled layer, [3, channels]
     # of element count, shifted sum and shifted sum of squares.
     statistics_sums: list
+    # What the window end multiplies a scaled learning-rate schedule by
+    # (`learning_rate.WindowScaledSchedule`; 1.0 without one).
+    learning_rate_scale: typing.Any
 
 
 def _empty_state(variables, dtype, length, steps_left_in_epoch=-1,
-                 skipped_windows=0, statistics_sums=()):
+                 skipped_windows=0, statistics_sums=(),
+                 learning_rate_scale=1.0):
     def scalar(value, kind="float32"):
         return ops.cast(value, kind)
 
@@ -89,6 +94,7 @@ def _empty_state(variables, dtype, length, steps_left_in_epoch=-1,
         noise_trace_sum=scalar(0.0), noise_signal_sum=scalar(0.0),
         noise_estimates=scalar(0.0),
         statistics_sums=list(statistics_sums),
+        learning_rate_scale=scalar(learning_rate_scale),
     )
 
 
@@ -255,7 +261,9 @@ class Accumulation(WindowLifecycle):
         self.window = _Window(variables, _empty_state(
             variables, self.settings.accumulator_dtype, self.window_length(),
             self._epoch_steps,
-            statistics_sums=self.statistics.empty_sums()))
+            statistics_sums=self.statistics.empty_sums(),
+            learning_rate_scale=learning_rate.learning_rate_scale(
+                model.optimizer)))
         self.checkpoint.window_built()
 
     def write_window(self, arrays):
@@ -302,6 +310,18 @@ class Accumulation(WindowLifecycle):
                         "noise_estimates")})
             self.window.state = self.window.state._replace(**replaced)
             self._set_window_length(self.window_length())
+            self.follow_learning_rate_scale()
+
+    def follow_learning_rate_scale(self):
+        """Copies the scale of the optimizer's scaled schedule into the
+        window (eagerly, between epochs), where the window end reads it."""
+        model = self._model() if self._model is not None else None
+        if self.window is None or model is None or model.optimizer is None:
+            return
+        self.window.state = self.window.state._replace(
+            learning_rate_scale=ops.cast(
+                learning_rate.learning_rate_scale(model.optimizer),
+                "float32"))
 
     def _set_window_length(self, length):
         state = self.window.state
@@ -498,8 +518,10 @@ def end_window(accumulation, operands):
                   else ops.where(fits, g * ops.cast(scale, g.dtype),
                                  float("inf"))
                   for g, overwrite in zip(gradients, accumulation.overwrite)]
-        trainable, optimizer_values = scaling.optimizer.stateless_apply(
-            optimizer_values, scaled, trainable)
+        with learning_rate.scaled_by(scaling.optimizer,
+                                     state.learning_rate_scale):
+            trainable, optimizer_values = scaling.optimizer.stateless_apply(
+                optimizer_values, scaled, trainable)
         state = _reset(measured(state, fits))
         return list(trainable), list(optimizer_values), state._replace(
             skipped_windows=state.skipped_windows
@@ -507,8 +529,10 @@ def end_window(accumulation, operands):
 
     def update(operands):
         trainable, optimizer_values, state = operands
-        trainable, optimizer_values = scaling.optimizer.stateless_apply(
-            optimizer_values, gradients, trainable)
+        with learning_rate.scaled_by(scaling.optimizer,
+                                     state.learning_rate_scale):
+            trainable, optimizer_values = scaling.optimizer.stateless_apply(
+                optimizer_values, gradients, trainable)
         return (list(trainable), list(optimizer_values),
                 _reset(measured(state, True)))
 

@@ -1,0 +1,153 @@
+"""Keras 3's learning rate, as `WindowFromNoiseScale` moves it, on every
+backend.
+
+A float learning rate is an optimizer variable: it is set as it stands. A
+`LearningRateSchedule` is wrapped once in `WindowScaledSchedule`, which
+multiplies what the schedule returns by a scale, so the schedule keeps
+running on the optimizer's `iterations` and the window only scales it.
+TensorFlow and PyTorch read the scale's variable where the optimizer
+evaluates the schedule. JAX's jitted step would freeze the variable's value
+at tracing: the window ends of JAX and PyTorch (`stateless_window`) hand
+the optimizer the scale their `WindowState` carries (`scaled_by`), which
+the accumulation copies from the schedule between epochs. A bare callable
+learning rate has no scale to set (`scalable_learning_rate` gives None).
+Private `_learning_rate` checked on keras 3.6.0, 3.10.0 and 3.15.1.
+"""
+
+import contextlib
+
+import keras
+import numpy as np
+from keras import ops
+
+__all__ = ["WindowScaledSchedule", "learning_rate_of", "learning_rate_scale",
+           "scalable_learning_rate", "scaled_by"]
+
+_Schedule = keras.optimizers.schedules.LearningRateSchedule
+
+
+@keras.saving.register_keras_serializable(package="accum_model")
+class WindowScaledSchedule(_Schedule):
+    """A learning-rate schedule times a scale that the window sets.
+
+    Args:
+        schedule: The `LearningRateSchedule` scaled (or its config).
+        scale: Float. What the schedule's rate is multiplied by.
+    """
+
+    def __init__(self, schedule, scale=1.0):
+        if isinstance(schedule, dict):
+            schedule = keras.optimizers.schedules.deserialize(schedule)
+        self.schedule = schedule
+        self.scale = keras.Variable(float(scale), dtype="float32",
+                                    trainable=False,
+                                    name="window_learning_rate_scale")
+        # The scale a window end hands over while the optimizer applies it.
+        self._applied_scale = None
+
+    def __call__(self, step):
+        rate = ops.convert_to_tensor(self.schedule(step))
+        scale = (self.scale if self._applied_scale is None
+                 else self._applied_scale)
+        return rate * ops.cast(scale, rate.dtype)
+
+    def scale_value(self):
+        return float(np.asarray(ops.convert_to_numpy(self.scale)))
+
+    def get_config(self):
+        return {"schedule": keras.optimizers.schedules.serialize(
+                    self.schedule),
+                "scale": self.scale_value()}
+
+
+def _inner(optimizer):
+    return getattr(optimizer, "inner_optimizer", optimizer)
+
+
+def learning_rate_scale(optimizer):
+    """Float. The scale `optimizer`'s schedule is multiplied by (1.0 where
+    no window scales it)."""
+    rate = getattr(_inner(optimizer), "_learning_rate", None)
+    if isinstance(rate, WindowScaledSchedule):
+        return rate.scale_value()
+    return 1.0
+
+
+@contextlib.contextmanager
+def scaled_by(optimizer, scale):
+    """While inside, `optimizer`'s scaled schedule uses `scale` (a traced
+    value of the step) rather than its variable."""
+    rate = getattr(_inner(optimizer), "_learning_rate", None)
+    if not isinstance(rate, WindowScaledSchedule):
+        yield
+        return
+    previous = rate._applied_scale
+    rate._applied_scale = scale
+    try:
+        yield
+    finally:
+        rate._applied_scale = previous
+
+
+def learning_rate_of(optimizer):
+    """Float. The learning rate `optimizer` (or, under loss scaling, the
+    optimizer it wraps) applies at its next update, a schedule's included;
+    None for a callable."""
+    inner = _inner(optimizer)
+    rate = getattr(inner, "_learning_rate", None)
+    if hasattr(rate, "assign"):
+        value = rate
+    elif isinstance(rate, _Schedule):
+        value = rate(inner.iterations)
+    else:
+        return None
+    return float(np.asarray(ops.convert_to_numpy(value)))
+
+
+class _FloatLearningRate:
+    """A float learning rate (an optimizer variable), read and set."""
+
+    def __init__(self, variable):
+        self._variable = variable
+
+    def value(self):
+        return float(np.asarray(ops.convert_to_numpy(self._variable)))
+
+    def set(self, value):
+        self._variable.assign(value)
+
+
+class _ScheduleScale:
+    """The scale of a `WindowScaledSchedule`, read and set; the model's
+    window learns it at once."""
+
+    def __init__(self, schedule, accumulation):
+        self._schedule = schedule
+        self._accumulation = accumulation
+
+    def value(self):
+        return self._schedule.scale_value()
+
+    def set(self, value):
+        self._schedule.scale.assign(value)
+        follow = getattr(self._accumulation, "follow_learning_rate_scale",
+                         None)
+        if follow is not None:
+            follow()
+
+
+def scalable_learning_rate(model):
+    """What a window rule scales in `model`'s optimizer: an object with
+    `value()` and `set(value)` for a float learning rate (the rate) or a
+    `LearningRateSchedule` (a scale on it, wrapped in `WindowScaledSchedule`
+    here once), or None for a callable learning rate."""
+    inner = _inner(model.optimizer)
+    rate = getattr(inner, "_learning_rate", None)
+    if hasattr(rate, "assign"):
+        return _FloatLearningRate(rate)
+    if not isinstance(rate, _Schedule):
+        return None
+    if not isinstance(rate, WindowScaledSchedule):
+        rate = WindowScaledSchedule(rate)
+        inner._learning_rate = rate
+    return _ScheduleScale(rate, model._accumulation)
