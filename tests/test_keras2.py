@@ -1183,6 +1183,50 @@ def test_window_from_noise_scale_scales_a_schedule_as_the_large_batch(
         2 * float(decaying()(64)), rel=1e-6)
 
 
+class _StopAfterSecondEpoch(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1:
+            raise RuntimeError("interrupted")
+
+
+@pytest.mark.parametrize("schedule", [False, True],
+                         ids=["float", "schedule"])
+def test_window_from_noise_scale_resumes_with_backup_and_restore(
+        tmp_path, schedule):
+    # Keras 2's BackupAndRestore writes a TensorFlow checkpoint: the
+    # callback's state rides in it beside the window, and the resumed
+    # epochs size, scale and train as the uninterrupted run's.
+    from accum_model import WindowFromNoiseScale
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4096, 4)).astype("float32")
+    y = (x @ np.array([1.0, -0.5, 0.8, 0.3], np.float32)
+         + 2.0 * rng.normal(size=4096)).astype("float32")[:, None]
+
+    def fit(callbacks):
+        model = _noise_regression(AccumulatingModel, n_gradients=2,
+                                  measure_noise_scale=True)
+        rate = (keras.optimizers.schedules.ExponentialDecay(2e-4, 1000, 0.5)
+                if schedule else 2e-4)
+        model.compile(optimizer=keras.optimizers.SGD(rate), loss="mse")
+        return model, model.fit(
+            x, y, batch_size=4, epochs=4, shuffle=False, verbose=0,
+            callbacks=[WindowFromNoiseScale(learning_rate="linear")]
+            + callbacks).history
+
+    whole_model, whole = fit([])
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        fit([keras.callbacks.BackupAndRestore(backup),
+             _StopAfterSecondEpoch()])
+    model, resumed = fit([keras.callbacks.BackupAndRestore(backup)])
+    assert whole["window_n_gradients"][1] != 2
+    assert resumed["window_n_gradients"] == whole["window_n_gradients"][2:]
+    np.testing.assert_allclose(resumed["window_learning_rate"],
+                               whole["window_learning_rate"][2:], rtol=1e-5)
+    assert max_weight_difference(model, whole_model) <= TOLERANCE
+
+
 def test_fit_before_compile_gives_keras_own_error():
     x, y = regression_data(samples=16)
     for model in (mlp(keras.Model), mlp(AccumulatingModel, n_gradients=2)):

@@ -25,9 +25,10 @@ SUMMED = ("weight_sum", "sample_sum", "loss_sum")
 
 # The state of the window-sizing callback (`WindowFromNoiseScale`), saved
 # beside the window once it has run: float64 [smoothed noise scale (NaN:
-# none yet), starting n_gradients, starting learning rate (NaN: none),
-# current n_gradients].
+# none yet), starting n_gradients, starting learning rate or schedule
+# factor (NaN: none), current n_gradients].
 SIZER = "window_sizer"
+SIZER_LENGTH = 4
 
 
 def empty_state():

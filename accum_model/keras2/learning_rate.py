@@ -18,8 +18,9 @@ from accum_model.keras2.package import src
 _optimizer_v2 = src("optimizers.legacy.optimizer_v2")
 _Schedule = keras.optimizers.schedules.LearningRateSchedule
 
-__all__ = ["WindowScaledSchedule", "learning_rate_of",
-           "scalable_learning_rate"]
+# What the adapter offers; `WindowScaledSchedule` is found by its registered
+# name when a model is loaded.
+__all__ = ["learning_rate_of", "scalable_learning_rate"]
 
 
 @keras.utils.register_keras_serializable(package="accum_model")

@@ -20,8 +20,9 @@ import keras
 import numpy as np
 from keras import ops
 
-__all__ = ["WindowScaledSchedule", "learning_rate_of", "learning_rate_scale",
-           "scalable_learning_rate", "scaled_by"]
+# What the adapter offers; `WindowScaledSchedule` is found by its registered
+# name when a model is loaded.
+__all__ = ["learning_rate_of", "scalable_learning_rate"]
 
 _Schedule = keras.optimizers.schedules.LearningRateSchedule
 

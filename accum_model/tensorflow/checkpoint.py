@@ -17,6 +17,7 @@ into the window when training builds it.
 
 import weakref
 
+import numpy as np
 import tensorflow as tf
 
 from accum_model.core import checkpoint_layout as layout
@@ -33,6 +34,10 @@ class WindowCheckpoint(SavedInTfCheckpoints, layout.RestoredWindow):
     def __init__(self, accumulation):
         layout.RestoredWindow.__init__(self)
         self._accumulation = weakref.ref(accumulation)
+        # The window-sizing callback's state, as a child object: a
+        # checkpoint saved without it (before it existed) still restores,
+        # where a key of this object's own that the file lacks fails.
+        self._track_trackable(_SizerState(self), name=layout.SIZER)
 
     def _window(self):
         accumulation = self._accumulation()
@@ -69,6 +74,24 @@ class WindowCheckpoint(SavedInTfCheckpoints, layout.RestoredWindow):
 
     def _write(self, arrays):
         _write(self._window(), arrays, self._accumulation())
+
+
+class _SizerState(SavedInTfCheckpoints):
+    """`RestoredWindow.sizer_state` in TensorFlow checkpoints: NaNs while
+    there is none."""
+
+    def __init__(self, window_checkpoint):
+        self._window_checkpoint = weakref.ref(window_checkpoint)
+
+    def saved_state(self):
+        state = self._window_checkpoint().sizer_state
+        return {"state": np.full([layout.SIZER_LENGTH], np.nan)
+                if state is None else np.asarray(state, np.float64)}
+
+    def restore_state(self, arrays):
+        state = np.asarray(arrays["state"], np.float64)
+        self._window_checkpoint().sizer_state = (
+            None if np.all(np.isnan(state)) else state)
 
 
 def _write(window, arrays, accumulation):
