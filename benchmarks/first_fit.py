@@ -13,7 +13,7 @@ and of what runs after its last epoch (`on_train_end` to the return), as
 medians over `--rounds` interleaved rounds, with the ratio to the
 reference.
 
-Run: python benchmarks/first_fit.py [--rounds 3] [--backend jax]
+Run: python benchmarks/first_fit.py [--rounds 3] [--backend jax|torch]
 """
 
 import argparse
@@ -74,7 +74,7 @@ def main():
     parser.add_argument("--n-gradients", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--image-size", type=int, default=32)
-    parser.add_argument("--backend", choices=("tensorflow", "jax"),
+    parser.add_argument("--backend", choices=("tensorflow", "jax", "torch"),
                         default="tensorflow")
     parser.add_argument("--configuration", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -386,10 +386,11 @@ def gpu_suite(args, device="GPU:0"):
     n = args.gpu_n_gradients
     steps = 4 * n if args.quick else 16 * n
     results = {}
-    for model_name, micro, precision in [
-            (m, b, p) for m, b in (("resnet50", args.gpu_micro_batch),
-                                   ("causal_lm", args.gpu_lm_micro_batch))
-            for p in GPU_PRECISIONS]:
+    micro_batches = {"resnet50": args.gpu_micro_batch,
+                     "causal_lm": args.gpu_lm_micro_batch}
+    for model_name, precision in [(m, p) for m in args.gpu_models
+                                  for p in args.gpu_precisions]:
+        micro = micro_batches[model_name]
         for label, batch, n_value, batch_steps in (
             (f"keras, batch {micro}", micro, 1, steps),
             (f"keras, batch {micro * n}", micro * n, 1, steps // n),
@@ -644,6 +645,12 @@ def main():
     parser.add_argument("--gpu-lm-micro-batch", type=int, default=8,
                         help="micro-batch of the causal LM (sequences of "
                              "512 tokens)")
+    parser.add_argument("--gpu-models", nargs="+",
+                        choices=("resnet50", "causal_lm"),
+                        default=["resnet50", "causal_lm"])
+    parser.add_argument("--gpu-precisions", nargs="+",
+                        choices=sorted(set(GPU_PRECISIONS) | {"float32"}),
+                        default=list(GPU_PRECISIONS))
     parser.add_argument("--gpu-child", help=argparse.SUPPRESS)
     parser.add_argument("--replot", action="store_true",
                         help="rewrite results.md and results.png from "

@@ -140,7 +140,8 @@ class PooledStatistics:
 
     def moved(self, sums, non_trainable, ends=True):
         """`non_trainable` with each pooled layer's moving statistics moved
-        once by the window's pooled moments, where `ends`."""
+        once by the window's pooled moments, where `ends` (a traced bool, or
+        Python's True)."""
         non_trainable = list(non_trainable)
         for layer, total, (mean_at, variance_at), pooled in zip(
                 self.layers, sums, self._positions, self.pooled):
@@ -155,10 +156,13 @@ class PooledStatistics:
                 total[0], total[1], total[2], shift, shift,
                 ops.cast(old_variance, "float32"),
                 float(layer.momentum), KERAS_OPS)
-            non_trainable[mean_at] = ops.where(
-                ends, ops.cast(mean, old_mean.dtype), old_mean)
-            non_trainable[variance_at] = ops.where(
-                ends, ops.cast(variance, old_variance.dtype), old_variance)
+            mean = ops.cast(mean, old_mean.dtype)
+            variance = ops.cast(variance, old_variance.dtype)
+            if ends is not True:
+                mean = ops.where(ends, mean, old_mean)
+                variance = ops.where(ends, variance, old_variance)
+            non_trainable[mean_at] = mean
+            non_trainable[variance_at] = variance
         return non_trainable
 
     def move_variables(self, sums, model):

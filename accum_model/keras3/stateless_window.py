@@ -173,6 +173,12 @@ class Accumulation(WindowLifecycle):
         backend runs it outside a training step."""
         return end
 
+    def _settled(self, ends):
+        """Whether the window ends, as the step goes on with it: the
+        traced value where both branches are traced (JAX), a Python bool
+        where the step runs eagerly and a branch not taken costs its work."""
+        return ends
+
     # What users read -------------------------------------------------------
 
     def noise_scale(self):
@@ -414,20 +420,22 @@ def add_micro_batch(accumulation, trainable, optimizer_values, window,
     if moments is not None:
         window = window._replace(statistics_sums=accumulation.statistics.added(
             window.statistics_sums, moments, non_trainable))
-    ends = ops.logical_or(window.micro_steps >= window.length,
-                          window.steps_left_in_epoch == 0)
+    ends = accumulation._settled(ops.logical_or(
+        window.micro_steps >= window.length, window.steps_left_in_epoch == 0))
     window_loss = arithmetic.window_loss(
         window.loss_sum, window.weight_sum, accumulation.divide_by_weight,
         KERAS_OPS)
     window_samples = window.sample_sum
-    if moments is not None:
+    if moments is not None and ends is not False:
         # Moved whether the update is applied or skipped for overflow, as
         # the large batch's forward pass moves them.
         non_trainable = accumulation.statistics.moved(
             window.statistics_sums, non_trainable, ends)
     operands = (list(trainable), optimizer_values, window)
-    trainable, optimizer_values, window = ops.cond(
-        ends, lambda: end_window(accumulation, operands), lambda: operands)
+    if ends is not False:
+        trainable, optimizer_values, window = ops.cond(
+            ends, lambda: end_window(accumulation, operands),
+            lambda: operands)
     return (trainable, non_trainable, optimizer_values, window, ends,
             window_loss, window_samples)
 

@@ -94,20 +94,27 @@ class Accumulation(stateless_window.Accumulation):
                     [v.value for v in optimizer_variables], window.state,
                     gradients, weight, loss, samples, non_trainable,
                     moments))
-            for variable, value in zip(variables, trainable):
-                variable.assign(value)
-            for variable, value in zip(optimizer_variables,
-                                       optimizer_values):
-                variable.assign(value)
+            if ends:
+                # Only a window's end changes these.
+                for variable, value in zip(variables, trainable):
+                    variable.assign(value)
+                for variable, value in zip(optimizer_variables,
+                                           optimizer_values):
+                    variable.assign(value)
             if moments is not None:
                 for variable, old, new in zip(model.non_trainable_variables,
                                               non_trainable,
                                               new_non_trainable):
                     if new is not old:
                         variable.assign(new)
-        if bool(ends):
+        if ends:
             self._window_ended()
         return ends, window_loss, window_samples
+
+    def _settled(self, ends):
+        # One read of the device per micro step: a step that does not end
+        # the window then skips the window end and the statistics' move.
+        return bool(ends)
 
     def _with_zeros_for_missing(self, gradients, variables):
         """The gradients, with zeros where a variable has none (the window
@@ -146,14 +153,16 @@ class UpdateSignal:
         self._iterations = optimizer.iterations
 
         def train_function_noting_updates(*args):
-            self._before = int(self._iterations.value)
+            # A copy, read only when asked: reading it here would wait for
+            # the device on every micro step.
+            self._before = torch.clone(self._iterations.value)
             return train_function(*args)
 
         return train_function_noting_updates
 
     def applied(self):
         return (self._before is not None
-                and int(self._iterations.value) > self._before)
+                and int(self._iterations.value) > int(self._before))
 
 
 def accumulating_train_step(model, data):
@@ -204,7 +213,7 @@ def accumulating_train_step(model, data):
     # The loss in the logs is each window's, logged when it ends, weighted
     # by its samples as Keras weighs a batch's.
     model._loss_tracker.update_state(
-        window_loss, sample_weight=ops.where(ends, window_samples, 0.0))
+        window_loss, sample_weight=window_samples if ends else 0.0)
     logs = model.compute_metrics(x, y, y_pred, sample_weight)
     if (accumulation.settings.may_overflow
             or accumulation.loss_scaling.active):
