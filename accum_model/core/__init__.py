@@ -7,6 +7,8 @@
   micro-batch, the float16 overflow verdict, the noise-scale estimates. Each
   backend's window calls it with its own array operations.
 * `variables` — questions about a variable every backend asks alike.
+* `learning_rate` — what a window rule scales in an optimizer (a float
+  learning rate, or a schedule's factor), read and set.
 * `class_tree`, `messages`, `patch` — questions about a model's classes,
   the warnings and errors shared by the layers above, and scoped
   replacement of attributes.

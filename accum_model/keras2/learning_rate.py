@@ -12,6 +12,8 @@ keeps its learning rate among its hyperparameters (`_get_hyper` /
 import numpy as np
 import tensorflow as tf
 
+from accum_model.core.learning_rate import FloatLearningRate
+from accum_model.core.learning_rate import ScheduleScale
 from accum_model.keras2.package import keras
 from accum_model.keras2.package import src
 
@@ -77,32 +79,6 @@ def learning_rate_of(optimizer):
     return float(np.asarray(rate.numpy()))
 
 
-class _FloatLearningRate:
-    """A float learning rate (a variable), read and set."""
-
-    def __init__(self, variable):
-        self._variable = variable
-
-    def value(self):
-        return float(np.asarray(self._variable.numpy()))
-
-    def set(self, value):
-        self._variable.assign(value)
-
-
-class _ScheduleScale:
-    """The scale of a `WindowScaledSchedule`, read and set."""
-
-    def __init__(self, schedule):
-        self._schedule = schedule
-
-    def value(self):
-        return self._schedule.scale_value()
-
-    def set(self, value):
-        self._schedule.scale.assign(value)
-
-
 def scalable_learning_rate(model):
     """What a window rule scales in `model`'s optimizer: an object with
     `value()` and `set(value)` for a float learning rate (the rate) or a
@@ -111,7 +87,7 @@ def scalable_learning_rate(model):
     inner = _inner(model.optimizer)
     rate = _rate_of(inner)
     if hasattr(rate, "assign"):
-        return _FloatLearningRate(rate)
+        return FloatLearningRate(rate)
     if not isinstance(rate, _Schedule):
         return None
     if not isinstance(rate, WindowScaledSchedule):
@@ -120,4 +96,4 @@ def scalable_learning_rate(model):
             inner._set_hyper("learning_rate", rate)
         else:
             inner._learning_rate = rate
-    return _ScheduleScale(rate)
+    return ScheduleScale(rate)

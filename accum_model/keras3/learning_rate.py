@@ -20,6 +20,9 @@ import keras
 import numpy as np
 from keras import ops
 
+from accum_model.core.learning_rate import FloatLearningRate
+from accum_model.core.learning_rate import ScheduleScale
+
 # What the adapter offers; `WindowScaledSchedule` is found by its registered
 # name when a model is loaded.
 __all__ = ["learning_rate_of", "scalable_learning_rate"]
@@ -105,38 +108,6 @@ def learning_rate_of(optimizer):
     return float(np.asarray(ops.convert_to_numpy(value)))
 
 
-class _FloatLearningRate:
-    """A float learning rate (an optimizer variable), read and set."""
-
-    def __init__(self, variable):
-        self._variable = variable
-
-    def value(self):
-        return float(np.asarray(ops.convert_to_numpy(self._variable)))
-
-    def set(self, value):
-        self._variable.assign(value)
-
-
-class _ScheduleScale:
-    """The scale of a `WindowScaledSchedule`, read and set; the model's
-    window learns it at once."""
-
-    def __init__(self, schedule, accumulation):
-        self._schedule = schedule
-        self._accumulation = accumulation
-
-    def value(self):
-        return self._schedule.scale_value()
-
-    def set(self, value):
-        self._schedule.scale.assign(value)
-        follow = getattr(self._accumulation, "follow_learning_rate_scale",
-                         None)
-        if follow is not None:
-            follow()
-
-
 def scalable_learning_rate(model):
     """What a window rule scales in `model`'s optimizer: an object with
     `value()` and `set(value)` for a float learning rate (the rate) or a
@@ -145,10 +116,12 @@ def scalable_learning_rate(model):
     inner = _inner(model.optimizer)
     rate = getattr(inner, "_learning_rate", None)
     if hasattr(rate, "assign"):
-        return _FloatLearningRate(rate)
+        return FloatLearningRate(rate)
     if not isinstance(rate, _Schedule):
         return None
     if not isinstance(rate, WindowScaledSchedule):
         rate = WindowScaledSchedule(rate)
         inner._learning_rate = rate
-    return _ScheduleScale(rate, model._accumulation)
+    # JAX's and PyTorch's window carries the factor in its state.
+    return ScheduleScale(rate, getattr(
+        model._accumulation, "follow_learning_rate_scale", None))
