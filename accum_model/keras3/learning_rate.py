@@ -68,10 +68,16 @@ def _inner(optimizer):
     return getattr(optimizer, "inner_optimizer", optimizer)
 
 
+def _rate_of(optimizer):
+    """The learning rate `optimizer` (or the optimizer it wraps) holds: a
+    variable, a schedule or a callable."""
+    return getattr(_inner(optimizer), "_learning_rate", None)
+
+
 def learning_rate_scale(optimizer):
     """Float. The scale `optimizer`'s schedule is multiplied by (1.0 where
     no window scales it)."""
-    rate = getattr(_inner(optimizer), "_learning_rate", None)
+    rate = _rate_of(optimizer)
     if isinstance(rate, WindowScaledSchedule):
         return rate.scale_value()
     return 1.0
@@ -81,7 +87,7 @@ def learning_rate_scale(optimizer):
 def scaled_by(optimizer, scale):
     """While inside, `optimizer`'s scaled schedule uses `scale` (a traced
     value of the step) rather than its variable."""
-    rate = getattr(_inner(optimizer), "_learning_rate", None)
+    rate = _rate_of(optimizer)
     if not isinstance(rate, WindowScaledSchedule):
         yield
         return
@@ -97,12 +103,11 @@ def learning_rate_of(optimizer):
     """Float. The learning rate `optimizer` (or, under loss scaling, the
     optimizer it wraps) applies at its next update, a schedule's included;
     None for a callable."""
-    inner = _inner(optimizer)
-    rate = getattr(inner, "_learning_rate", None)
+    rate = _rate_of(optimizer)
     if hasattr(rate, "assign"):
         value = rate
     elif isinstance(rate, _Schedule):
-        value = rate(inner.iterations)
+        value = rate(_inner(optimizer).iterations)
     else:
         return None
     return float(np.asarray(ops.convert_to_numpy(value)))
@@ -113,15 +118,14 @@ def scalable_learning_rate(model):
     `value()` and `set(value)` for a float learning rate (the rate) or a
     `LearningRateSchedule` (a scale on it, wrapped in `WindowScaledSchedule`
     here once), or None for a callable learning rate."""
-    inner = _inner(model.optimizer)
-    rate = getattr(inner, "_learning_rate", None)
+    rate = _rate_of(model.optimizer)
     if hasattr(rate, "assign"):
         return FloatLearningRate(rate)
     if not isinstance(rate, _Schedule):
         return None
     if not isinstance(rate, WindowScaledSchedule):
         rate = WindowScaledSchedule(rate)
-        inner._learning_rate = rate
+        _inner(model.optimizer)._learning_rate = rate
     # JAX's and PyTorch's window carries the factor in its state.
     return ScheduleScale(rate, getattr(
         model._accumulation, "follow_learning_rate_scale", None))

@@ -141,8 +141,10 @@ class PooledStatistics:
     def moved(self, sums, non_trainable, ends=True):
         """`non_trainable` with each pooled layer's moving statistics moved
         once by the window's pooled moments, where `ends` (a traced bool, or
-        Python's True)."""
+        a Python bool where the step runs eagerly)."""
         non_trainable = list(non_trainable)
+        if ends is False:
+            return non_trainable
         for layer, total, (mean_at, variance_at), pooled in zip(
                 self.layers, sums, self._positions, self.pooled):
             if not pooled:

@@ -71,8 +71,7 @@ class WindowState(typing.NamedTuple):
 
 
 def _empty_state(variables, dtype, length, steps_left_in_epoch=-1,
-                 skipped_windows=0, statistics_sums=(),
-                 learning_rate_scale=1.0):
+                 skipped_windows=0, statistics_sums=()):
     def scalar(value, kind="float32"):
         return ops.cast(value, kind)
 
@@ -94,7 +93,7 @@ def _empty_state(variables, dtype, length, steps_left_in_epoch=-1,
         noise_trace_sum=scalar(0.0), noise_signal_sum=scalar(0.0),
         noise_estimates=scalar(0.0),
         statistics_sums=list(statistics_sums),
-        learning_rate_scale=scalar(learning_rate_scale),
+        learning_rate_scale=scalar(1.0),
     )
 
 
@@ -267,9 +266,8 @@ class Accumulation(WindowLifecycle):
         self.window = _Window(variables, _empty_state(
             variables, self.settings.accumulator_dtype, self.window_length(),
             self._epoch_steps,
-            statistics_sums=self.statistics.empty_sums(),
-            learning_rate_scale=learning_rate.learning_rate_scale(
-                model.optimizer)))
+            statistics_sums=self.statistics.empty_sums()))
+        self.follow_learning_rate_scale()
         self.checkpoint.window_built()
 
     def write_window(self, arrays):
@@ -320,7 +318,8 @@ class Accumulation(WindowLifecycle):
 
     def follow_learning_rate_scale(self):
         """Copies the scale of the optimizer's scaled schedule into the
-        window (eagerly, between epochs), where the window end reads it."""
+        window (eagerly, as it is built and between epochs), where the
+        window end reads it."""
         model = self._model() if self._model is not None else None
         if self.window is None or model is None or model.optimizer is None:
             return
@@ -426,16 +425,14 @@ def add_micro_batch(accumulation, trainable, optimizer_values, window,
         window.loss_sum, window.weight_sum, accumulation.divide_by_weight,
         KERAS_OPS)
     window_samples = window.sample_sum
-    if moments is not None and ends is not False:
+    if moments is not None:
         # Moved whether the update is applied or skipped for overflow, as
         # the large batch's forward pass moves them.
         non_trainable = accumulation.statistics.moved(
             window.statistics_sums, non_trainable, ends)
     operands = (list(trainable), optimizer_values, window)
-    if ends is not False:
-        trainable, optimizer_values, window = ops.cond(
-            ends, lambda: end_window(accumulation, operands),
-            lambda: operands)
+    trainable, optimizer_values, window = ops.cond(
+        ends, lambda: end_window(accumulation, operands), lambda: operands)
     return (trainable, non_trainable, optimizer_values, window, ends,
             window_loss, window_samples)
 
