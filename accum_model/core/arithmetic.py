@@ -106,13 +106,21 @@ def statistics_terms(count, mean, variance, shift, ops):
 
 
 def pooled_moving_statistics(count, shifted_sum, shifted_square_sum, shift,
-                             moving_mean, moving_variance, momentum, ops):
+                             moving_mean, moving_variance, momentum, ops,
+                             complement=None):
     """The moving mean and variance after one step by the large batch's
     moments, pooled from the window's `statistics_terms`.
 
     A channel no element reached has moments 0 and 0, as a layer's own
     masked moments give a batch with nothing unmasked.
+
+    `momentum` is a float, or an array with one per channel (several
+    layers moved at once); then `complement` holds, per channel, the
+    float32 that the layer's own `1.0 - momentum` rounds to (computed in
+    float32, it can differ in its last bit).
     """
+    if complement is None:
+        complement = 1.0 - momentum
     mean_offset = divide_no_nan(shifted_sum, count, ops)
     zeros = ops.zeros_like(count)
     variance = ops.maximum(
@@ -121,8 +129,8 @@ def pooled_moving_statistics(count, shifted_sum, shifted_square_sum, shift,
     seen = count > 0
     mean = ops.where(seen, shift + mean_offset, zeros)
     variance = ops.where(seen, variance, zeros)
-    return (moving_mean * momentum + mean * (1.0 - momentum),
-            moving_variance * momentum + variance * (1.0 - momentum))
+    return (moving_mean * momentum + mean * complement,
+            moving_variance * momentum + variance * complement)
 
 
 def noise_micro_batch_term(weight, squared_norm, size, ops):

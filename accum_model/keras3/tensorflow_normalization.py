@@ -124,7 +124,8 @@ def _assign_unless_recording(variable):
 
 
 def _element_counts(layer, inputs, mask):
-    """Float32 [channels]: the elements each channel's moments cover.
+    """Float32, the elements each channel's moments cover: a scalar for
+    every channel, or [channels] under a mask.
 
     As `_moments` counts them: every element of the reduced axes, or those
     its mask (one dimension less than the inputs, broadcast over the last
@@ -135,9 +136,12 @@ def _element_counts(layer, inputs, mask):
     channels = int(layer.moving_mean.shape[0])
     axes = list(layer._reduction_axes)
     if mask is None:
-        shape = tf.shape(inputs)
-        count = tf.reduce_prod(tf.gather(shape, axes))
-        return tf.fill([channels], tf.cast(count, tf.float32))
+        # The reduced axes hold every element but the channels'.
+        if inputs.shape.is_fully_defined():
+            return tf.constant(inputs.shape.num_elements() // channels,
+                               tf.float32)
+        return tf.cast(tf.size(inputs, out_type=tf.int64) // channels,
+                       tf.float32)
     weights = tf.broadcast_to(
         tf.expand_dims(tf.cast(mask, tf.float32), -1), tf.shape(inputs)
     )

@@ -66,7 +66,7 @@ class WindowCheckpoint(SavedInTfCheckpoints, layout.RestoredWindow):
             window.has_gradient,
             {name: getattr(window, name).read_value().numpy()
              for name in layout.COUNTERS},
-            [s.read_value().numpy() for s in window.statistics.sums],
+            _statistics_per_call(window.statistics),
         )
 
     def _window_exists(self):
@@ -106,7 +106,7 @@ def _write(window, arrays, accumulation):
     gradients, has_gradient, counters = layout.window_to_write(
         arrays, sizes, float(window.skipped_windows.read_value().numpy()))
     statistics = layout.statistics_to_write(
-        arrays, [tuple(s.shape) for s in window.statistics.sums], counters)
+        arrays, window.statistics.call_shapes, counters)
     num_replicas = strategy.num_replicas_in_sync
     with strategy.scope():
         for gradient_sum, value in zip(window.gradient_sums, gradients):
@@ -117,11 +117,21 @@ def _write(window, arrays, accumulation):
             share = (counters[name] / num_replicas if name in layout.SUMMED
                      else counters[name])
             replicas.assign_on_every_replica(getattr(window, name), share)
-        for sums, value in zip(window.statistics.sums, statistics):
-            replicas.assign_on_every_replica(sums, value / num_replicas)
+        if window.statistics.sums is not None:
+            replicas.assign_on_every_replica(
+                window.statistics.sums,
+                np.concatenate(statistics, axis=1) / num_replicas)
         if window.noise is not None:
             window.noise.window_restored(is_open=counters["micro_steps"] > 0)
     window.has_gradient = [
         now or saved for now, saved in zip(window.has_gradient, has_gradient)
     ]
     window.set_length(accumulation.window_length())
+
+
+def _statistics_per_call(statistics):
+    """The window's pooled statistics as checkpoints hold them: one
+    [3, channels] array per call (summed over replicas)."""
+    if statistics.sums is None:
+        return []
+    return statistics.per_call(statistics.sums.read_value().numpy())

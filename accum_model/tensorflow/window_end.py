@@ -158,17 +158,19 @@ class WindowEnd:
             if statistics.calls:
                 replicas.for_each_replica(statistics.apply, statistics_totals)
 
-        has_samples = total_samples > 0
-        tf.cond(has_samples, replicas.without_result(
-            report_and_move_statistics), replicas.do_nothing)
-        # Side by side rather than nested: each nested condition captures
-        # every gradient again, which a large model pays for in tracing.
-        applies = (tf.logical_and(has_samples, finite) if self.checks_finite
-                   else has_samples)
-        tf.cond(applies, replicas.without_result(update), replicas.do_nothing)
+        # On one replica a window ends only at a micro step with samples
+        # (its own), so it has some; across replicas a window of empty
+        # steps alone is discarded. Where that is known, no condition is
+        # traced: each one captures what it touches again.
+        has_samples = (True if self.strategy.num_replicas_in_sync == 1
+                       else total_samples > 0)
+        _run_when(has_samples, report_and_move_statistics)
+        # Side by side rather than nested, for the same reason.
         if self.checks_finite:
-            tf.cond(tf.logical_and(has_samples, tf.logical_not(finite)),
-                    replicas.without_result(skip), replicas.do_nothing)
+            _run_when(_both(has_samples, finite), update)
+            _run_when(_both(has_samples, tf.logical_not(finite)), skip)
+        else:
+            _run_when(has_samples, update)
         replicas.for_each_replica(window.reset)
 
     def _fits_float16(self, total_weight, gradient_totals):
@@ -253,6 +255,19 @@ def _apply_open_window(window_end):
     window_end.strategy.run(
         lambda: window_end.end_if(window_end.window.micro_steps > 0)
     )
+
+
+def _run_when(predicate, fn):
+    """Runs `fn()` where the bool tensor `predicate` holds; always where it
+    is Python's True."""
+    if predicate is True:
+        fn()
+    else:
+        tf.cond(predicate, replicas.without_result(fn), replicas.do_nothing)
+
+
+def _both(first, second):
+    return second if first is True else tf.logical_and(first, second)
 
 
 def _split_gradient_totals(reduced, start, summed_sums):
