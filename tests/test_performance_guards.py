@@ -8,6 +8,7 @@ import tensorflow as tf
 from accum_model import AccumulatingModel
 from helpers import mlp
 from helpers import regression_data
+from helpers import traced_step
 
 
 class TraceCounting(AccumulatingModel):
@@ -65,6 +66,45 @@ def test_the_first_fit_traces_the_step_once(build):
     x, y = regression_data(samples=96)
     assert _traces_of_first_fit(AccumulatingModel, build, x, y,
                                 n_gradients=4) == 1
+
+
+def _dense_stack(model_class, depth, normalized, **kwargs):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,))
+    hidden = inputs
+    for _ in range(depth):
+        hidden = keras.layers.Dense(8)(hidden)
+        if normalized:
+            hidden = keras.layers.BatchNormalization()(hidden)
+    return model_class(inputs, keras.layers.Dense(3)(hidden), **kwargs)
+
+
+def _window_nodes(depth, normalized):
+    """Nodes the accumulating step's graph has beyond plain Keras's."""
+    x, y = regression_data(samples=32)
+    nodes = []
+    for model_class, kwargs in ((keras.Model, {}),
+                                (AccumulatingModel, {"n_gradients": 4})):
+        model = _dense_stack(model_class, depth, normalized, **kwargs)
+        model.compile(optimizer="sgd", loss="mse")
+        graph = traced_step(model, tf.distribute.get_strategy(), x, y)
+        nodes.append(len(graph.node) + sum(
+            len(function.node_def) for function in graph.library.function))
+    return nodes[1] - nodes[0]
+
+
+@pytest.mark.filterwarnings("ignore:BatchNormalization layers")
+def test_pooled_statistics_trace_few_operations_per_normalization_layer():
+    # What a first fit() traces and optimises grows with the graph: the
+    # window pools every layer's statistics with one set of operations, so
+    # a layer adds little beyond its two weights' accumulation.
+    per_dense_block = (_window_nodes(8, False) - _window_nodes(2, False)) / 6
+    per_normalized_block = (
+        _window_nodes(8, True) - _window_nodes(2, True)) / 6
+    per_weight = per_dense_block / 2
+    pooling_per_layer = per_normalized_block - 4 * per_weight
+    assert per_weight > 0
+    assert pooling_per_layer <= 10
 
 
 def test_accumulators_hold_one_float32_copy_of_the_trainable_parameters(
