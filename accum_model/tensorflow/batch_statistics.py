@@ -15,9 +15,9 @@ mean is large. Sums are per replica and reduced with the window's other
 totals, in its one reduction.
 
 Every call's channels sit side by side in one buffer, and the window adds
-and moves them all with one set of operations: a network with fifty
-normalization layers then traces and optimises a few dozen operations for
-them rather than a few thousand.
+and moves them all with one set of operations: what a network's first
+`fit()` traces and optimises grows by a few operations per normalization
+layer (its reads and assigns), not by a few dozen.
 """
 
 import numpy as np
