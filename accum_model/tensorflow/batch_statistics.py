@@ -116,11 +116,17 @@ class WindowStatistics:
         """The shape of each call's sums, [3, channels], in call order."""
         return [(3, channels) for channels in self.channels]
 
-    def per_call(self, array):
-        """`array` shaped like `sums`, cut into one [3, channels] array per
-        call (the layout checkpoints hold)."""
-        return np.split(np.asarray(array), np.cumsum(self.channels)[:-1],
-                        axis=1)
+    def saved_sums(self):
+        """The sums as checkpoints hold them: one [3, channels] array per
+        call (eagerly, in cross-replica context: summed over replicas)."""
+        if self.sums is None:
+            return []
+        return np.split(self.sums.read_value().numpy(),
+                        np.cumsum(self.channels)[:-1], axis=1)
+
+    def joined(self, per_call):
+        """`saved_sums()`'s layout back as one array shaped like `sums`."""
+        return np.concatenate(per_call, axis=1)
 
     def add(self, recorded):
         """Adds a micro-batch's statistics (replica context).

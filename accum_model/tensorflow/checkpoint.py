@@ -66,7 +66,7 @@ class WindowCheckpoint(SavedInTfCheckpoints, layout.RestoredWindow):
             window.has_gradient,
             {name: getattr(window, name).read_value().numpy()
              for name in layout.COUNTERS},
-            _statistics_per_call(window.statistics),
+            window.statistics.saved_sums(),
         )
 
     def _window_exists(self):
@@ -120,7 +120,7 @@ def _write(window, arrays, accumulation):
         if window.statistics.sums is not None:
             replicas.assign_on_every_replica(
                 window.statistics.sums,
-                np.concatenate(statistics, axis=1) / num_replicas)
+                window.statistics.joined(statistics) / num_replicas)
         if window.noise is not None:
             window.noise.window_restored(is_open=counters["micro_steps"] > 0)
     window.has_gradient = [
@@ -128,10 +128,3 @@ def _write(window, arrays, accumulation):
     ]
     window.set_length(accumulation.window_length())
 
-
-def _statistics_per_call(statistics):
-    """The window's pooled statistics as checkpoints hold them: one
-    [3, channels] array per call (summed over replicas)."""
-    if statistics.sums is None:
-        return []
-    return statistics.per_call(statistics.sums.read_value().numpy())
