@@ -37,6 +37,10 @@ class WindowCallback(keras.callbacks.Callback):
         self._epoch = None
         # The open window's loss totals as the epoch began.
         self._loss_start = (0.0, 0.0, 0)
+        # The epoch's training loss as Keras's loss tracker holds it, a
+        # (total, count) pair, once read: validation resets that tracker
+        # and fills it with the validation loss.
+        self._training_loss = None
 
     @classmethod
     def added_to_fit_arguments(cls, model, args, kwargs):
@@ -92,6 +96,7 @@ class WindowCallback(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
+        self._training_loss = None
         model = self.accumulating_model
         steps = self.params.get("steps") if self.params else None
         if steps:
@@ -104,11 +109,17 @@ class WindowCallback(keras.callbacks.Callback):
             self._loss_start = model._accumulation.loss_totals()
 
     def on_test_begin(self, logs=None):
-        if self._epoch is not None:
+        if self._epoch is not None and self._training_loss is None:
             self.apply_if_epoch_ends_window()
+            # `evaluate()` resets the tracker right after this hook.
+            self._training_loss = adapter.logged_loss_totals(
+                self.accumulating_model)
 
     def on_epoch_end(self, epoch, logs=None):
         self.apply_if_epoch_ends_window()
+        if self._training_loss is None:
+            self._training_loss = adapter.logged_loss_totals(
+                self.accumulating_model)
         self.log_window_loss(logs)
         self.log_skipped_windows(logs)
         self.log_noise_scale(logs)
@@ -126,23 +137,38 @@ class WindowCallback(keras.callbacks.Callback):
         last_epoch = self._epoch is not None and self._epoch + 1 >= self.epochs
         if model.flush_each_epoch or last_epoch or model.stop_training:
             if model._accumulation.open_micro_steps():
-                model.apply_open_window()
+                self.apply_open_window()
                 return True
         return False
+
+    def apply_open_window(self):
+        """Applies the open window; its loss joins the epoch's training
+        loss where that was read before (validation ran since)."""
+        model = self.accumulating_model
+        before = adapter.logged_loss_totals(model)
+        model.apply_open_window()
+        if self._training_loss is not None and before is not None:
+            after = adapter.logged_loss_totals(model)
+            self._training_loss = tuple(
+                kept + now - then
+                for kept, now, then in zip(self._training_loss, after, before))
 
     def log_window_loss(self, logs):
         """Writes the epoch's loss into its logs.
 
         Keras read it before a window applied at the epoch's end was: the
-        logs get the loss with that window in it. In an epoch where no
-        window ended (a window longer than the epoch), Keras's tracker is
-        empty and would log 0.0: the logs get the loss of the epoch's
-        micro-batches instead.
+        logs get the loss with that window in it, as the tracker held it
+        before validation. In an epoch where no window ended (a window
+        longer than the epoch), Keras's tracker is empty and would log 0.0:
+        the logs get the loss of the epoch's micro-batches instead.
         """
         if logs is None or "loss" not in logs:
             return
         model = self.accumulating_model
-        loss = adapter.logged_loss(model)
+        loss = None
+        totals = self._training_loss
+        if totals is not None and totals[1] > 0:
+            loss = totals[0] / totals[1]
         if loss is None:
             loss = model._accumulation.loss_since(self._loss_start)
         if loss is not None:
@@ -266,7 +292,7 @@ class _StoppedWindowCallback(keras.callbacks.Callback):
         window_callback = self.window_callback
         model = window_callback.accumulating_model
         if model.stop_training and model._accumulation.open_micro_steps():
-            model.apply_open_window()
+            window_callback.apply_open_window()
             window_callback.log_window_loss(logs)
             window_callback.log_skipped_windows(logs)
             window_callback.log_noise_scale(logs)

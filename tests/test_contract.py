@@ -165,6 +165,86 @@ def test_reported_loss_is_the_window_loss_weighted_by_samples():
                                rtol=1e-5)
 
 
+@pytest.mark.parametrize("validation", ["validation_data",
+                                        "validation_split"])
+@pytest.mark.parametrize("flush_each_epoch", [True, False])
+def test_logged_loss_under_validation_is_the_training_loss(
+        validation, flush_each_epoch):
+    # Validation resets the loss tracker the window's loss is read from: the
+    # epoch's `loss` must stay the training loss, as plain Keras logs it.
+    x, y = regression_data(samples=160)
+    fit_kwargs = ({"validation_data": (x[:32], -3 * y[:32])}
+                  if validation == "validation_data"
+                  else {"validation_split": 0.2})
+    plain = mlp(keras.Model)
+    plain.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    model = _compiled(optimizer=keras.optimizers.SGD(0.05),
+                      flush_each_epoch=flush_each_epoch)
+    model.set_weights(plain.get_weights())
+    expected = plain.fit(x, y, batch_size=32, epochs=3, shuffle=False,
+                         verbose=0, **fit_kwargs).history
+    logged = model.fit(x, y, batch_size=8, epochs=3, shuffle=False,
+                       verbose=0, **fit_kwargs).history
+    assert set(logged) == set(expected) == {"loss", "val_loss"}
+    for name in expected:
+        np.testing.assert_allclose(logged[name], expected[name], rtol=1e-5,
+                                   err_msg=name)
+
+
+def test_callbacks_monitoring_loss_act_as_on_the_large_batch():
+    # The validation loss grows while the training loss falls: a callback
+    # that took the one for the other would cut the rate and stop early.
+    x, y = regression_data(samples=128)
+    validation = (x[:32], -3 * y[:32])
+
+    def callbacks():
+        return [keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5,
+                                                  patience=0),
+                keras.callbacks.EarlyStopping(monitor="loss", patience=0)]
+
+    plain = mlp(keras.Model)
+    plain.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    model = _compiled(optimizer=keras.optimizers.SGD(0.05))
+    model.set_weights(plain.get_weights())
+    expected = plain.fit(x, y, batch_size=32, epochs=4, shuffle=False,
+                         verbose=0, validation_data=validation,
+                         callbacks=callbacks()).history
+    logged = model.fit(x, y, batch_size=8, epochs=4, shuffle=False,
+                       verbose=0, validation_data=validation,
+                       callbacks=callbacks()).history
+    assert len(logged["loss"]) == len(expected["loss"]) == 4
+    np.testing.assert_allclose(logged["learning_rate"],
+                               expected["learning_rate"])
+    assert iterations(model) == iterations(plain) == 16
+    assert max_weight_difference(plain, model) <= 1e-5
+
+
+@pytest.mark.parametrize("stop_at", ["epoch_end", "batch"])
+def test_a_window_applied_after_validation_joins_the_training_loss(stop_at):
+    # Windows run across epochs; training stops, and the open window is
+    # applied, only after validation ran: its loss is the training loss's.
+    class Stop(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if stop_at == "batch" and batch == 9:
+                self.model.stop_training = True
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.stop_training = True
+
+    x, y = regression_data(samples=100)
+    histories = []
+    for fit_kwargs in ({}, {"validation_data": (x[:20], -3 * y[:20])}):
+        model = _compiled(optimizer=keras.optimizers.SGD(0.05),
+                          flush_each_epoch=False)
+        histories.append(model.fit(x, y, batch_size=8, epochs=3,
+                                   shuffle=False, verbose=0,
+                                   callbacks=[Stop()], **fit_kwargs).history)
+        assert iterations(model) == (3 if stop_at == "batch" else 4)
+    without, with_validation = histories
+    np.testing.assert_allclose(with_validation["loss"], without["loss"],
+                               rtol=1e-6)
+
+
 def test_n_gradients_1_is_plain_keras():
     x, y = regression_data(samples=100)
     plain = mlp(keras.Model)

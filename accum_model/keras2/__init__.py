@@ -11,7 +11,7 @@ from accum_model.keras2.package import keras
 from accum_model.keras2.losses import LOSS_REDUCTIONS
 from accum_model.keras2.losses import compute_loss
 from accum_model.keras2.losses import get_keras_mask
-from accum_model.keras2.losses import logged_loss
+from accum_model.keras2.losses import logged_loss_totals
 from accum_model.keras2.losses import loss_logged_by_window
 from accum_model.keras2.losses import losses_not_divided_by_replicas
 from accum_model.keras2.losses import recording_loss_reductions
@@ -77,7 +77,7 @@ __all__ = [
     "keras",
     "layers_of",
     "learning_rate_of",
-    "logged_loss",
+    "logged_loss_totals",
     "loss_logged_by_window",
     "logs_for_reduction",
     "losses_not_divided_by_replicas",

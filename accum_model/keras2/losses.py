@@ -23,7 +23,7 @@ _losses_utils = src("utils.losses_utils")
 LOSS_REDUCTIONS = ("auto", "sum_over_batch_size", "sum")
 
 __all__ = ["LOSS_REDUCTIONS", "compute_loss", "get_keras_mask",
-           "logged_loss", "loss_logged_by_window",
+           "logged_loss_totals", "loss_logged_by_window",
            "losses_not_divided_by_replicas", "recording_loss_reductions",
            "track_loss"]
 
@@ -67,14 +67,15 @@ def track_loss(model, loss, batch_size):
         metric.update_state(loss, sample_weight=batch_size)
 
 
-def logged_loss(model):
-    """The "loss" `fit()` logs now, or None when no loss was logged since
-    the metric was reset (the epoch began)."""
+def logged_loss_totals(model):
+    """The "loss" `fit()` logs now as `(total, count)` floats, the sums of
+    Keras's `Mean` (the logged loss is total / count), or None without one.
+    """
     metric = _logged_loss_metric(model)
-    # Under a strategy the count is synchronised on read: read a tensor.
-    if metric is None or float(_value(metric.count)) == 0.0:
+    if metric is None:
         return None
-    return float(metric.result())
+    # Under a strategy both are synchronised on read: read tensors.
+    return float(_value(metric.total)), float(_value(metric.count))
 
 
 def losses_not_divided_by_replicas():

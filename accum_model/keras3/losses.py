@@ -21,7 +21,7 @@ LOSS_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight",
                    "sum")
 
 __all__ = ["LOSS_REDUCTIONS", "compute_loss", "get_keras_mask",
-           "logged_loss", "loss_logged_by_window",
+           "logged_loss_totals", "loss_logged_by_window",
            "losses_not_divided_by_replicas", "recording_loss_reductions",
            "track_loss"]
 
@@ -57,14 +57,15 @@ def loss_logged_by_window(model):
     return contextlib.nullcontext()
 
 
-def logged_loss(model):
-    """The "loss" `fit()` logs now (the `_loss_tracker`'s mean), or None
-    when no loss was logged since the tracker was reset (the epoch began)."""
-    tracker = getattr(model, "_loss_tracker", None)
-    # Under a strategy the count is synchronised on read: read a tensor.
-    if tracker is None or float(_value(tracker.count)) == 0.0:
+def logged_loss_totals(model):
+    """The "loss" `fit()` logs now as `(total, count)` floats, the sums of
+    Keras's `Mean` (the logged loss is total / count), or None without one.
+    """
+    metric = getattr(model, "_loss_tracker", None)
+    if metric is None:
         return None
-    return float(tracker.result())
+    # Under a strategy both are synchronised on read: read tensors.
+    return float(_value(metric.total)), float(_value(metric.count))
 
 
 def losses_not_divided_by_replicas():
