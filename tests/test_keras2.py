@@ -194,6 +194,35 @@ def test_sum_reduction_equals_the_large_batch():
     assert max_weight_difference(plain, model) <= TOLERANCE
 
 
+def _scalar_sum(y_true, y_pred):
+    return tf.reduce_sum(tf.square(y_true - y_pred))
+
+
+class _ScalarSum(keras.losses.Loss):
+    def call(self, y_true, y_pred):
+        return tf.reduce_sum(tf.square(y_true - y_pred))
+
+
+@pytest.mark.parametrize("loss", [_scalar_sum, _ScalarSum()],
+                         ids=["function", "loss_subclass"])
+def test_a_scalar_loss_of_ones_own_is_warned_about_by_name(loss):
+    x, y = regression_data(samples=64)
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer="sgd", loss=loss)
+    with pytest.warns(UserWarning, match="returns one number.*"
+                      "reduction='sum'.*`micro_batch_weight`"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
+def test_a_scalar_loss_declared_a_sum_equals_the_large_batch():
+    x, y = regression_data(samples=96)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        plain, model = fit_both(lambda: keras.optimizers.SGD(0.001), x, y,
+                                loss=_ScalarSum(reduction="sum"))
+    assert max_weight_difference(plain, model) <= TOLERANCE
+
+
 def _padded_sequences(samples=48, steps=7, seed=0):
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, steps + 1, size=samples)

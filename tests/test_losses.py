@@ -116,6 +116,126 @@ def test_functions_and_loss_subclasses_match_large_batch(loss):
     assert max_weight_difference(plain, model) <= TOLERANCE
 
 
+def _scalar_sum(y_true, y_pred):
+    return keras.ops.sum(keras.ops.square(y_true - y_pred))
+
+
+class _ScalarSum(keras.losses.Loss):
+    def call(self, y_true, y_pred):
+        return keras.ops.sum(keras.ops.square(y_true - y_pred))
+
+
+def _valid_tokens(y):
+    return keras.ops.sum(keras.ops.cast(keras.ops.not_equal(y, 0),
+                                        "float32"))
+
+
+def _masked_token_mean(y_true, y_pred):
+    """The token mean sequence code often writes by hand (0 pads)."""
+    losses = keras.losses.sparse_categorical_crossentropy(
+        y_true, y_pred, from_logits=True)
+    mask = keras.ops.cast(keras.ops.not_equal(y_true, 0), losses.dtype)
+    return keras.ops.sum(mask * losses) / keras.ops.sum(mask)
+
+
+class TokenMeanModel(AccumulatingModel):
+    """The way out the warning names for a masked mean."""
+
+    def micro_batch_weight(self, x, y, y_pred, sample_weight):
+        return _valid_tokens(y)
+
+
+@pytest.mark.parametrize("loss, name", [
+    (_scalar_sum, "_scalar_sum"), (_ScalarSum(), "_ScalarSum"),
+    (_masked_token_mean, "_masked_token_mean")])
+def test_a_scalar_loss_of_ones_own_is_warned_about_by_name(loss, name):
+    # One number per micro-batch: a sum or a mean of unknown divisor.
+    if name == "_masked_token_mean":
+        x, y = _token_data()
+        model = _tagger(AccumulatingModel, n_gradients=4)
+    else:
+        x, y = regression_data(samples=64)
+        model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer="sgd", loss=loss)
+    with pytest.warns(UserWarning, match=f"`{name}` returns one number.*"
+                      "reduction='sum'.*`micro_batch_weight`"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
+def test_the_ways_out_of_a_scalar_loss_are_exact():
+    # A sum declared as one (reduction="sum"), and a masked mean weighted
+    # by its own divisor, train as the large batch, with no warning.
+    x, y = regression_data(samples=64)
+    plain, model = _fit_both(mlp, _ScalarSum(reduction="sum"), x, y,
+                             make_optimizer=lambda: keras.optimizers.SGD(
+                                 0.002))
+    assert max_weight_difference(plain, model) <= TOLERANCE
+    x, y = _token_data()
+    plain, model = _fit_both(
+        lambda c, **k: _tagger(
+            TokenMeanModel if c is AccumulatingModel else c, **k),
+        _masked_token_mean, x, y)
+    assert iterations(model) == iterations(plain) == 4
+    assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+def _segmenter(model_class, **kwargs):
+    keras.utils.set_random_seed(6)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    outputs = keras.layers.Dense(3, activation="sigmoid")(hidden)
+    return model_class(inputs=inputs, outputs=outputs, **kwargs)
+
+
+@pytest.mark.parametrize("make_loss", [
+    lambda: keras.losses.Dice(), lambda: keras.losses.Tversky(),
+    lambda: keras.losses.dice], ids=["Dice", "Tversky", "dice"])
+def test_keras_losses_over_the_whole_batch_are_warned_about(make_loss):
+    try:
+        loss = make_loss()
+    except AttributeError:
+        pytest.skip("this Keras has no Dice or Tversky loss")
+    x, y = regression_data(samples=64)
+    model = _segmenter(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer="sgd", loss=loss)
+    with pytest.warns(UserWarning, match="one value over the whole batch.*"
+                      r"\(axis=None\).*axis=\(1, 2, 3\)"):
+        model.fit(x, (y > 0).astype("float32"), batch_size=8, epochs=1,
+                  verbose=0)
+
+
+@pytest.mark.parametrize("build, loss", [
+    (_segmenter, "dice_axis"), (None, "mse")], ids=["dice_axis", "mse"])
+def test_keras_losses_per_sample_are_exact_without_warning(build, loss):
+    # Dice over each sample's own axis; a Keras loss on a prediction of
+    # shape (batch,), a scalar that is the batch's mean.
+    from helpers import scalar_output_mlp
+
+    x, y = regression_data(samples=64)
+    if loss == "dice_axis":
+        if not hasattr(keras.losses, "Dice"):
+            pytest.skip("this Keras has no Dice loss")
+        loss, y = keras.losses.Dice(axis=(1,)), (y > 0).astype("float32")
+    else:
+        build, y = scalar_output_mlp, y[:, 0]
+    plain, model = _fit_both(build, loss, x, y)
+    assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+def test_a_loss_comparing_samples_within_the_batch_is_warned_about():
+    if not hasattr(keras.losses, "Circle"):
+        pytest.skip("this Keras has no Circle loss")
+    x, _ = regression_data(samples=64)
+    labels = (np.arange(64) % 4).astype("int32")
+    keras.utils.set_random_seed(6)
+    inputs = keras.Input((6,))
+    embedded = keras.layers.UnitNormalization()(keras.layers.Dense(4)(inputs))
+    model = AccumulatingModel(inputs, embedded, n_gradients=4)
+    model.compile(optimizer="sgd", loss=keras.losses.Circle())
+    with pytest.warns(UserWarning, match="`Circle` compares each sample"):
+        model.fit(x, labels, batch_size=8, epochs=1, verbose=0)
+
+
 def _two_outputs(model_class, **kwargs):
     keras.utils.set_random_seed(9)
     inputs = keras.Input((None, 3))

@@ -9,6 +9,7 @@ the tensors it reads come through a `ShapeOps` of the backend in use.
 """
 
 import collections
+import inspect
 
 from accum_model.core import class_tree
 from accum_model.core.messages import warn_once
@@ -33,6 +34,18 @@ ShapeOps = collections.namedtuple("ShapeOps", [
 # A loss reduced with "sum" is divided by nothing: its window is the sum.
 SUM = "sum"
 
+# How a loss term hangs on its batch where it is not Keras's reduction of
+# per-element values (see `batch_dependence`):
+# one number a loss of the user's computed over the whole batch, a sum or
+# a mean of unknown divisor;
+SCALAR = "scalar"
+# one number of a Keras loss over the whole batch (`Dice`, `Tversky` with
+# `axis=None`), which no window of micro-batches reproduces;
+WHOLE_BATCH = "whole_batch"
+# per-sample values that use the batch's other samples (`Circle` without
+# reference embeddings).
+IN_BATCH = "in_batch"
+
 
 class Reduction:
     """One loss term as Keras reduced it in a micro step.
@@ -45,15 +58,22 @@ class Reduction:
         may_vary: Bool. Whether the divisor can change between micro-batches
             other than in proportion to the batch size (a mask, sample
             weights in the divisor, or a dimension of unknown length).
+        dependence: None, `SCALAR`, `WHOLE_BATCH` or `IN_BATCH`: how the
+            loss hangs on its batch beyond the reduction.
+        loss_name: Str. The loss, as messages name it.
     """
 
-    def __init__(self, reduction, divisor, may_vary):
+    def __init__(self, reduction, divisor, may_vary, dependence=None,
+                 loss_name="the loss"):
         self.reduction = reduction
         self.divisor = divisor
         self.may_vary = may_vary
+        self.dependence = dependence
+        self.loss_name = loss_name
 
 
-def reduction_of(values, reduction, ops, mask=None, weight_sum=None):
+def reduction_of(values, reduction, ops, mask=None, weight_sum=None,
+                 loss=None):
     """The `Reduction` Keras applies to per-element loss `values`.
 
     Args:
@@ -66,18 +86,82 @@ def reduction_of(values, reduction, ops, mask=None, weight_sum=None):
         weight_sum: Float32 scalar tensor, or None. What a mean weighted by
             the sample weights (Keras 3's "mean_with_sample_weight") divides
             by, when it does.
+        loss: The `Loss` object whose values these are, or None.
     """
     values = ops.convert(values)
-    if reduction in (None, "none") or len(values.shape) == 0:
-        return Reduction(reduction, None, may_vary=True)
+    scalar = len(values.shape) == 0
+    described = {"dependence": batch_dependence(loss, scalar),
+                 "loss_name": _loss_name(loss)}
+    if reduction in (None, "none") or scalar:
+        return Reduction(reduction, None, may_vary=True, **described)
     if reduction == SUM:
-        return Reduction(SUM, None, may_vary=False)
+        return Reduction(SUM, None, may_vary=False, **described)
     if weight_sum is not None:
-        return Reduction(reduction, weight_sum, may_vary=True)
+        return Reduction(reduction, weight_sum, may_vary=True, **described)
     if mask is not None:
-        return Reduction(reduction, ops.count_true(mask), may_vary=True)
+        return Reduction(reduction, ops.count_true(mask), may_vary=True,
+                         **described)
     unknown_length = any(d is None for d in values.shape[1:])
-    return Reduction(reduction, ops.count(values), may_vary=unknown_length)
+    return Reduction(reduction, ops.count(values), may_vary=unknown_length,
+                     **described)
+
+
+def batch_dependence(loss, scalar):
+    """How a loss's values hang on their batch beyond Keras's reduction.
+
+    Keras's own losses are told apart by what they take, not their names: a
+    function with an `axis` that is None reduces the whole batch to one
+    number; one with `ref_embeddings` that is None compares each sample
+    with the batch's others. Keras's other losses give one value per
+    element, a scalar only for a prediction of shape `(batch,)`, whose mean
+    Keras then takes over the batch.
+
+    Args:
+        loss: The `Loss` object (a `LossFunctionWrapper` holds its function
+            in `fn` and its arguments in `_fn_kwargs`, in Keras 2 and 3), or
+            None where it is not known.
+        scalar: Bool. Whether the values were one number.
+
+    Returns:
+        None, `SCALAR`, `WHOLE_BATCH` or `IN_BATCH`.
+    """
+    if loss is None:
+        return None
+    function = getattr(loss, "fn", None)
+    if not _is_keras_own(function if callable(function) else type(loss)):
+        return SCALAR if scalar else None
+    if function is None:
+        return None
+    arguments = getattr(loss, "_fn_kwargs", None) or {}
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return None
+
+    def is_none(name):
+        return name in parameters and arguments.get(
+            name, parameters[name].default) is None
+
+    if is_none("axis"):
+        return WHOLE_BATCH
+    if is_none("ref_embeddings"):
+        return IN_BATCH
+    return None
+
+
+def _is_keras_own(thing):
+    """Whether a class or function is defined by Keras (2 or 3)."""
+    module = getattr(thing, "__module__", None) or ""
+    return module.split(".")[0] in ("keras", "tf_keras")
+
+
+def _loss_name(loss):
+    if loss is None:
+        return "the loss"
+    function = getattr(loss, "fn", None)
+    if callable(function) and not _is_keras_own(function):
+        return f"`{getattr(function, '__name__', type(loss).__name__)}`"
+    return f"`{type(loss).__name__}`"
 
 
 def batch_size(x, ops):
@@ -109,6 +193,7 @@ def micro_batch_weight(reductions, fallback, model_name, has_other_losses):
     """
     if not reductions:
         return fallback()
+    _warn_about_batch_dependence(reductions, model_name)
     first = reductions[0]
     kinds = {r.reduction == SUM for r in reductions}
     if kinds == {True}:
@@ -145,6 +230,47 @@ def micro_batch_weight(reductions, fallback, model_name, has_other_losses):
             "choose the weight.",
         )
     return first.divisor
+
+
+def _warn_about_batch_dependence(reductions, model_name):
+    """Warns (once) about each loss term no window of micro-batches can
+    weigh as the large batch does, naming the way out."""
+    for term in reductions:
+        name = term.loss_name
+        if term.dependence == SCALAR and term.reduction != SUM:
+            _warn_once(
+                model_name,
+                f"The loss {name} returns one number for the whole "
+                "micro-batch, not one per sample, so the window cannot tell "
+                "what it divides by: it weighs each micro-batch by its "
+                "number of prediction elements, which is exact for a mean "
+                "over them. A loss that sums over the batch trains n times "
+                "too weakly: give it reduction='sum' (a keras.losses.Loss "
+                "subclass) or return one value per sample. A mean over "
+                "something else, such as a masked mean sum(mask * loss) / "
+                "sum(mask): override `micro_batch_weight` to return that "
+                "divisor (sum(mask)).",
+            )
+        elif term.dependence == WHOLE_BATCH:
+            _warn_once(
+                model_name,
+                f"The loss {name} computes one value over the whole batch "
+                "(axis=None), which no window of micro-batches can "
+                "reproduce: each micro-batch's value is its own, and the "
+                "window averages them. Give it an axis that keeps samples "
+                f"apart (for images {name[:-1]}(axis=(1, 2, 3))` is a "
+                "per-sample loss, exact), or accept the difference and "
+                "override `micro_batch_weight` to choose the weights.",
+            )
+        elif term.dependence == IN_BATCH:
+            _warn_once(
+                model_name,
+                f"The loss {name} compares each sample with the other "
+                "samples of its batch: under accumulation those are the "
+                "micro-batch's, not the large batch's, so the window is "
+                "not the large batch. Give it reference embeddings "
+                "(ref_labels, ref_embeddings), or accept the difference.",
+            )
 
 
 def default_weight(model, x, y_pred, get_mask, ops):

@@ -8,6 +8,7 @@ then `compute_weighted_loss`). Checked on tf_keras 2.21.0 / TF 2.21.0, keras
 """
 
 import contextlib
+import sys
 
 import tensorflow as tf
 
@@ -18,6 +19,7 @@ from accum_model.keras2.package import src
 from accum_model.tensorflow.ops import TF_SHAPES
 
 _losses_utils = src("utils.losses_utils")
+_losses = src("losses")
 
 # Reductions whose batch loss is one number a window can reproduce.
 LOSS_REDUCTIONS = ("auto", "sum_over_batch_size", "sum")
@@ -117,12 +119,21 @@ def recording_loss_reductions():
         if reduction not in (None, "none", divisor.SUM):
             reduction = "sum_over_batch_size"  # What "auto" means here.
         records.append(divisor.reduction_of(losses, reduction, TF_SHAPES,
-                                            mask))
+                                            mask, loss=_calling_loss()))
         return loss
 
     with replaced(_losses_utils, {"apply_valid_mask": noting_mask,
                                   "compute_weighted_loss": recording}):
         yield records
+
+
+def _calling_loss():
+    """The `Loss` whose `__call__` called the wrapped reduction (its
+    `self`), or None: `Loss.__call__` calls it (keras 2.13-2.15, tf_keras
+    2.21), as do Keras 2's v1 training loops, which pass no `Loss`.
+    """
+    caller = sys._getframe(2).f_locals.get("self")
+    return caller if isinstance(caller, _losses.Loss) else None
 
 
 def _value(variable):

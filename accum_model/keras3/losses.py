@@ -7,6 +7,7 @@ exercise each function pass, `.ci/matrix`).
 
 import contextlib
 import inspect
+import sys
 
 from keras import ops
 from keras.src.backend.common.masking import get_keras_mask
@@ -111,11 +112,20 @@ def recording_loss_reductions(shape_ops):
                 _merged_sample_weight(values, sample_weight, mask, reduction)
             )
         records.append(divisor.reduction_of(values, reduction, shape_ops,
-                                            mask, weight_sum))
+                                            mask, weight_sum,
+                                            loss=_calling_loss()))
         return loss
 
     with replaced(keras_loss_module, {"reduce_weighted_values": recording}):
         yield records
+
+
+def _calling_loss():
+    """The `Loss` whose `__call__` called the wrapped reduction (its
+    `self`), or None: `Loss.__call__` is its one caller in keras 3.6-3.15.
+    """
+    caller = sys._getframe(2).f_locals.get("self")
+    return caller if isinstance(caller, keras_loss_module.Loss) else None
 
 
 def _merged_sample_weight(values, sample_weight, mask, reduction):
