@@ -1,5 +1,7 @@
 """`accumulating(model)`: gradient accumulation for a model that exists."""
 
+import functools
+
 from accum_model import _model_classes
 from accum_model._chooser import adapter
 from accum_model._chooser import keras
@@ -80,3 +82,22 @@ def accumulating_class(cls):
             )
         _accumulating_classes[cls] = accumulating
     return accumulating
+
+
+def _clones_keep_accumulating(clone_sequential):
+    """Wraps Keras's cloning of a `Sequential`, which makes every clone a
+    plain `Sequential`: the clone of an accumulating one accumulates with
+    the same settings, as clones of functional and subclassed models do."""
+
+    @functools.wraps(clone_sequential)
+    def clone_sequential_keeping_accumulation(model, *args, **kwargs):
+        clone = clone_sequential(model, *args, **kwargs)
+        if (isinstance(model, AccumulatingModel)
+                and not isinstance(clone, AccumulatingModel)):
+            accumulating(clone, **model._accumulation.settings.as_dict())
+        return clone
+
+    return clone_sequential_keeping_accumulation
+
+
+adapter.wrap_sequential_cloning(_clones_keep_accumulating)

@@ -682,6 +682,18 @@ def test_clone_keeps_the_class_and_settings(settings):
     assert clone.flush_each_epoch is settings.get("flush_each_epoch", True)
 
 
+def test_clone_of_an_accumulating_sequential_accumulates():
+    keras.utils.set_random_seed(1)
+    sequential = keras.Sequential([keras.layers.Dense(3, input_shape=(6,))])
+    model = accumulating(sequential, n_gradients=4, flush_each_epoch=False)
+    clone = keras.models.clone_model(model)
+    assert isinstance(clone, keras.Sequential)
+    assert isinstance(clone, AccumulatingModel)
+    assert (clone.n_gradients, clone.flush_each_epoch) == (4, False)
+    assert not isinstance(keras.models.clone_model(keras.Sequential(
+        [keras.layers.Dense(3, input_shape=(6,))])), AccumulatingModel)
+
+
 class _Wide(AccumulatingModel):
     """A functional subclass with a constructor of its own."""
 

@@ -90,6 +90,39 @@ def test_cloned_model_trains_like_the_large_batch():
     assert max_weight_difference(plain, clone) <= 1e-6
 
 
+def _sequential():
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([keras.Input((6,)),
+                             keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(3)])
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_clone_of_an_accumulating_sequential_accumulates(compiled):
+    # Keras clones every Sequential as a plain one; the clone of an
+    # accumulating one must not train without accumulating.
+    x, y = regression_data(samples=96)
+    large = _sequential()
+    large.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model = accumulating(_sequential(), n_gradients=4,
+                         flush_each_epoch=False)
+    if compiled:
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    clone = keras.models.clone_model(model)
+    assert isinstance(clone, keras.Sequential)
+    assert isinstance(clone, AccumulatingModel)
+    assert (clone.n_gradients, clone.flush_each_epoch) == (4, False)
+    assert clone.compiled is compiled
+    clone.set_weights(large.get_weights())
+    clone.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    large.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    clone.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert iterations(clone) == iterations(large) == 6
+    assert max_weight_difference(large, clone) <= 1e-6
+    # A plain Sequential's clone stays plain.
+    assert not isinstance(keras.models.clone_model(large), AccumulatingModel)
+
+
 # Any class, any order ------------------------------------------------------
 
 _ANY_ORDER = """

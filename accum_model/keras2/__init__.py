@@ -29,6 +29,7 @@ from accum_model.keras2.saving import clones_through_constructor
 from accum_model.keras2.saving import functional_constructor_signature
 from accum_model.keras2.saving import register_plain_name
 from accum_model.keras2.saving import serialize_as
+from accum_model.keras2.saving import wrap_sequential_cloning
 from accum_model.keras2.training import BACKEND
 from accum_model.keras2.training import END_OF_DATA_ERRORS
 from accum_model.keras2.training import Accumulation
@@ -93,4 +94,5 @@ __all__ = [
     "stateless_accumulate_gradients",
     "steps_per_execution",
     "track_loss",
+    "wrap_sequential_cloning",
 ]

@@ -12,8 +12,10 @@ import inspect
 
 from accum_model.tensorflow import checkpoint
 from accum_model.core import class_tree
+from accum_model.core.patch import wrapped_for_good
 from accum_model.keras2.package import src
 
+_cloning = src("models.cloning")
 _functional = src("engine.functional")
 _object_registration = src("saving.object_registration")
 
@@ -21,7 +23,7 @@ Functional = _functional.Functional
 
 __all__ = ["Functional", "WindowCheckpoint", "clones_through_constructor",
            "functional_constructor_signature", "register_plain_name",
-           "serialize_as"]
+           "serialize_as", "wrap_sequential_cloning"]
 
 
 def serialize_as(alias_class, registered_class):
@@ -56,6 +58,19 @@ def clones_through_constructor(model_class, after):
     constructor whose signature is `Functional.__init__`'s (Keras 2's
     `has_functional_like_constructor` asks for exactly that signature)."""
     return class_tree.next_init_is_keras_model(model_class, after)
+
+
+def wrap_sequential_cloning(make_wrapper):
+    """Wraps what `clone_model` clones a `Sequential` with: the private
+    `cloning._clone_sequential_model`, which builds a plain `Sequential`
+    whatever the model's class (tf_keras 2.21.0, keras 2.15.0 and 2.13.1),
+    looked up in its module at each call.
+
+    Args:
+        make_wrapper: Callable taking Keras's function and returning one
+            with its signature, `(model, ...) -> clone`.
+    """
+    wrapped_for_good(_cloning, "_clone_sequential_model", make_wrapper)
 
 
 class WindowCheckpoint(checkpoint.WindowCheckpoint):

@@ -31,6 +31,7 @@ from accum_model.keras3.saving import clones_through_constructor
 from accum_model.keras3.saving import functional_constructor_signature
 from accum_model.keras3.saving import register_plain_name
 from accum_model.keras3.saving import serialize_as
+from accum_model.keras3.saving import wrap_sequential_cloning
 from accum_model.keras3.training import layers_of
 from accum_model.keras3.training import micro_steps_in_epoch
 from accum_model.keras3.training import model_keyword_arguments
@@ -150,4 +151,5 @@ __all__ = [
     "stateless_accumulate_gradients",
     "steps_per_execution",
     "track_loss",
+    "wrap_sequential_cloning",
 ]

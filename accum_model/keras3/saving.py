@@ -4,15 +4,17 @@ Checked on keras 3.6.0 / TF 2.16.2, 3.10.0 / TF 2.18.1 and 3.15.1 /
 TF 2.21.0 (the tests that exercise each helper pass, `.ci/matrix`).
 """
 
+from keras.src.models import cloning
 from keras.src.models.functional import Functional
 from keras.src.models.functional import functional_like_constructor
 from keras.src.saving import object_registration
 
 from accum_model.core import class_tree
+from accum_model.core.patch import wrapped_for_good
 
 __all__ = ["Functional", "clones_through_constructor",
            "functional_constructor_signature", "register_plain_name",
-           "serialize_as"]
+           "serialize_as", "wrap_sequential_cloning"]
 
 
 def serialize_as(alias_class, registered_class):
@@ -51,3 +53,20 @@ def clones_through_constructor(model_class, after):
     return functional_like_constructor(
         class_tree.next_init_class(model_class, after)
     )
+
+
+def wrap_sequential_cloning(make_wrapper):
+    """Wraps what `keras.models.clone_model` clones a `Sequential` with.
+
+    `clone_model` hands every `Sequential` to the private
+    `cloning._clone_sequential_model`, which builds the clone as a plain
+    `keras.Sequential`, whatever the model's class, asking the model for
+    nothing (keras 3.6.0, 3.10.0 and 3.15.1). Looked up in its module at
+    each call, it is wrapped there: every alias of `clone_model` (`keras.
+    models`, `tf.keras.models`) reaches the wrapper.
+
+    Args:
+        make_wrapper: Callable taking Keras's function and returning one
+            with its signature, `(model, ...) -> clone`.
+    """
+    wrapped_for_good(cloning, "_clone_sequential_model", make_wrapper)
