@@ -54,7 +54,7 @@ class WindowCallback(keras.callbacks.Callback):
         del arguments["self"]
         window_callback = cls(model, arguments.get("epochs", 1))
         late_callback = _StoppedWindowCallback(window_callback)
-        callbacks = _window_sizers_first(arguments.get("callbacks"),
+        callbacks = _window_sizers_first(model, arguments.get("callbacks"),
                                          _micro_batch_size(arguments))
         if arguments.get("verbose", "auto") != 0 and _progress_bar_averages():
             progress_bar = _progress_bar_showing_counts(callbacks)
@@ -201,10 +201,11 @@ def _micro_batch_size(arguments):
     return batch_size
 
 
-def _window_sizers_first(callbacks, batch_size):
+def _window_sizers_first(model, callbacks, batch_size):
     """`callbacks` with each `WindowFromNoiseScale` first (right after the
-    window's own callback), told `fit()`'s micro-batch size, so that the
-    epoch's logs hold what it set when the user's callbacks read them."""
+    window's own callback), so that the epoch's logs hold what it set when
+    the user's callbacks read them, each prepared for `model`'s `fit()`
+    with micro-batches of `batch_size` before Keras traces the step."""
     if callbacks is None:
         return None
     listed = (callbacks.callbacks
@@ -212,7 +213,7 @@ def _window_sizers_first(callbacks, batch_size):
               else list(callbacks))
     sizers = [c for c in listed if isinstance(c, WindowFromNoiseScale)]
     for sizer in sizers:
-        sizer.fit_batch_size = batch_size
+        sizer.before_fit(model, batch_size)
     ordered = sizers + [c for c in listed
                         if not isinstance(c, WindowFromNoiseScale)]
     if isinstance(callbacks, keras.callbacks.CallbackList):

@@ -128,6 +128,20 @@ class WindowFromNoiseScale(keras.callbacks.Callback):
 
     # Before training ---------------------------------------------------------
 
+    def before_fit(self, model, batch_size):
+        """Called by the accumulating model's `fit()` before Keras traces
+        its step: takes `fit()`'s micro-batch size, and puts the scale on a
+        learning-rate schedule now, so that the step traced is the scaled
+        one (a step traced before, by an earlier `fit()`, is traced anew).
+        Anything it cannot scale is refused in `on_train_begin`."""
+        self.fit_batch_size = batch_size
+        if (self.learning_rate is not None
+                and getattr(model, "optimizer", None) is not None):
+            try:
+                adapter.scalable_learning_rate(model)
+            except ValueError:
+                pass  # Refused by `on_train_begin`, with the callbacks'.
+
     def on_train_begin(self, logs=None):
         model = self.model
         n_gradients = getattr(model, "n_gradients", None)

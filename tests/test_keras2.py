@@ -1191,14 +1191,17 @@ class _ScaledFrom(keras.optimizers.schedules.LearningRateSchedule):
             tf.cast(step, tf.float32) >= self.start, self.factor, 1.0)
 
 
+@pytest.mark.parametrize("later_fit", [False, True],
+                         ids=["first_fit", "later_fit"])
 @pytest.mark.parametrize("legacy", [False, True],
                          ids=["optimizer", "legacy_optimizer"])
 def test_window_from_noise_scale_scales_a_schedule_as_the_large_batch(
-        legacy):
+        legacy, later_fit):
     # The window goes from 2 to 4 after the first epoch: the "linear" rule
     # doubles the decaying schedule from there, and plain Keras 2 with the
     # large batch (8, then 16) and the schedule doubled from the same
-    # update agrees (test_window_from_noise_scale.py on Keras 3).
+    # update agrees (test_window_from_noise_scale.py on Keras 3). Added in
+    # a later fit(), the rule reaches the step the first one traced.
     from accum_model import WindowFromNoiseScale
 
     optimizer_class = (keras.optimizers.legacy.SGD if legacy
@@ -1212,21 +1215,25 @@ def test_window_from_noise_scale_scales_a_schedule_as_the_large_batch(
                               measure_noise_scale=True)
     model.compile(optimizer=optimizer_class(decaying(), momentum=0.9),
                   loss="mse")
+    if later_fit:
+        model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
     history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False,
                         verbose=0, callbacks=[WindowFromNoiseScale(
                             min_n_gradients=4, max_n_gradients=4,
                             learning_rate="linear")]).history
+    start = 128 if later_fit else 64
     reference = _noise_regression(keras.Model)
     reference.compile(optimizer=optimizer_class(
-        _ScaledFrom(decaying(), 2.0, 64), momentum=0.9), loss="mse")
-    reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+        _ScaledFrom(decaying(), 2.0, start), momentum=0.9), loss="mse")
+    reference.fit(x, y, batch_size=8, epochs=start // 64, shuffle=False,
+                  verbose=0)
     reference.fit(x, y, batch_size=16, shuffle=False, verbose=0)
-    assert int(model.optimizer.iterations) == 96
-    assert int(reference.optimizer.iterations) == 96
+    assert int(model.optimizer.iterations) == start + 32
+    assert int(reference.optimizer.iterations) == start + 32
     for ours, theirs in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
     assert history["window_learning_rate"][0] == pytest.approx(
-        2 * float(decaying()(64)), rel=1e-6)
+        2 * float(decaying()(start)), rel=1e-6)
 
 
 class _StopAfterSecondEpoch(keras.callbacks.Callback):

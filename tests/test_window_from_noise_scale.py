@@ -26,11 +26,12 @@ MICRO_BATCH = 4
 
 
 def _fit(sizer, learning_rate=1e-4, epochs=5, model=None, x=None, y=None,
-         **fit_kwargs):
+         optimizer=None, **fit_kwargs):
     if x is None:
         x, y = _linear_data()
     model = model or _linear_model(n_gradients=2, measure_noise_scale=True)
-    model.compile(optimizer=keras.optimizers.SGD(learning_rate), loss="mse")
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(learning_rate),
+                  loss="mse")
     keras.utils.set_random_seed(0)
     history = model.fit(x, y, batch_size=MICRO_BATCH, epochs=epochs,
                         verbose=0, callbacks=[sizer], **fit_kwargs).history
@@ -220,6 +221,31 @@ def test_a_callable_learning_rate_with_a_rule_is_refused():
         optimizer=keras.optimizers.SGD(lambda: 0.01))
 
 
+def _multi_optimizer():
+    multi = getattr(keras.optimizers, "MultiOptimizer", None)
+    if multi is None:
+        pytest.skip("this Keras has no MultiOptimizer")
+    return multi(keras.optimizers.OptimizerMap(
+        keras.optimizers.SGD(0.01), {".*bias.*": keras.optimizers.SGD(0.1)}))
+
+
+def test_a_rule_on_several_optimizers_is_refused_by_name():
+    _refused_before_training(
+        _linear_model(n_gradients=2, measure_noise_scale=True),
+        "MultiOptimizer.*several optimizers.*learning_rate=None",
+        sizer=WindowFromNoiseScale(learning_rate="linear"),
+        optimizer=_multi_optimizer())
+
+
+def test_several_optimizers_log_no_single_learning_rate():
+    model, history = _fit(WindowFromNoiseScale(), epochs=2,
+                          model=_linear_model(n_gradients=2,
+                                              measure_noise_scale=True),
+                          optimizer=_multi_optimizer())
+    assert all(math.isnan(rate) for rate in history["window_learning_rate"])
+    assert len(history["window_n_gradients"]) == 2
+
+
 def test_a_schedule_runs_untouched_without_a_rule():
     schedule = keras.optimizers.schedules.ExponentialDecay(1e-4, 100, 0.5)
     x, y = _linear_data()
@@ -285,6 +311,36 @@ def test_a_rule_scales_a_schedule_as_the_large_batch(replicas, request):
     assert history["window_learning_rate"][0] == pytest.approx(
         2 * float(keras.ops.convert_to_numpy(
             _decaying()(first_epoch_updates))), rel=1e-6)
+
+
+def test_a_rule_added_in_a_later_fit_scales_the_schedule_it_traced():
+    # The first fit() traces its step with the bare schedule; the rule,
+    # added in the second, must reach the step that fit() runs.
+    x, y = _linear_data(samples=512)
+    updates_per_epoch = len(x) // (2 * MICRO_BATCH)
+    model = _linear_model(n_gradients=2, measure_noise_scale=True)
+    model.compile(optimizer=keras.optimizers.SGD(_decaying(), momentum=0.9),
+                  loss="mse")
+    model.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0)
+    history = model.fit(
+        x, y, batch_size=MICRO_BATCH, epochs=2, shuffle=False, verbose=0,
+        callbacks=[WindowFromNoiseScale(min_n_gradients=4,
+                                        max_n_gradients=4,
+                                        learning_rate="linear")]).history
+    reference = _linear_model(keras.Model)
+    reference.compile(optimizer=keras.optimizers.SGD(
+        _ScaledFrom(_decaying(), 2.0, 2 * updates_per_epoch), momentum=0.9),
+        loss="mse")
+    reference.fit(x, y, batch_size=2 * MICRO_BATCH, epochs=2, shuffle=False,
+                  verbose=0)
+    reference.fit(x, y, batch_size=4 * MICRO_BATCH, shuffle=False, verbose=0)
+    assert iterations(model) == iterations(reference) == (
+        updates_per_epoch * 5 // 2)
+    for ours, theirs in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert history["window_learning_rate"][0] == pytest.approx(
+        2 * float(keras.ops.convert_to_numpy(
+            _decaying()(2 * updates_per_epoch))), rel=1e-6)
 
 
 def test_a_scaled_schedule_is_saved_with_the_model(tmp_path):

@@ -42,3 +42,15 @@ class ScheduleScale:
         self._schedule.scale.assign(value)
         if self._on_set is not None:
             self._on_set()
+
+
+def several_rates_message(optimizer, optimizers):
+    """Says that a window rule cannot scale an optimizer of several rates,
+    and the fix."""
+    names = ", ".join(type(o).__name__ for o in optimizers)
+    return (
+        "WindowFromNoiseScale(learning_rate=...) scales one learning rate, "
+        f"and this {type(optimizer).__name__} hands the variables to "
+        f"several optimizers ({names}), each with a rate of its own. Use "
+        "learning_rate=None (the window is still sized), or one optimizer. "
+        f"Received: optimizer={type(optimizer).__name__}")

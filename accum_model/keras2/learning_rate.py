@@ -96,4 +96,6 @@ def scalable_learning_rate(model):
             inner._set_hyper("learning_rate", rate)
         else:
             inner._learning_rate = rate
+        # A step traced before holds the bare schedule: trace it anew.
+        model.train_function = None
     return ScheduleScale(rate)

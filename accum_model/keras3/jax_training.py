@@ -38,6 +38,7 @@ Private Keras members used, checked on keras 3.15.1 with jax 0.10.2:
 `_call_has_training_arg`, `_loss_tracker`, `_get_state_sharding_spec`.
 """
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -164,6 +165,10 @@ def accumulating_train_step(model, state, data):
                   optimizer_values + [window], metrics_values)
 
 
+def _train_step_of(model, state, data):
+    return type(model).train_step(model, state, data)
+
+
 def _current(scope, variable):
     value = scope.get_current_value(variable)
     return variable.value if value is None else value
@@ -175,11 +180,24 @@ class ModelDifferences:
 
     def make_train_function(self, force=False):
         accumulation = self._accumulation
-        if accumulation.accumulates and (force or self.train_function is None):
+        if not (force or self.train_function is None):
+            return super().make_train_function(force)
+        if accumulation.accumulates:
             # The model and its optimizer are built by now (Keras builds
             # them symbolically before it makes the train function).
             accumulation.build_window(self)
-        return super().make_train_function(force)
+        # Keras jits the bound method `self.train_step`, and JAX reuses the
+        # trace of an equal bound method while an earlier jit of it lives
+        # (a reference cycle keeps the last train function alive): a step
+        # made anew, because what it traces changed (a learning-rate
+        # schedule, the settings), would run the stale trace. Keras reads
+        # the attribute once, here: a function of its own is traced anew.
+        self.__dict__["train_step"] = functools.partial(
+            _train_step_of, self)
+        try:
+            return super().make_train_function(force)
+        finally:
+            del self.__dict__["train_step"]
 
     def _get_jax_state(self, trainable_variables=False,
                        non_trainable_variables=False,

@@ -22,6 +22,7 @@ from keras import ops
 
 from accum_model.core.learning_rate import FloatLearningRate
 from accum_model.core.learning_rate import ScheduleScale
+from accum_model.core.learning_rate import several_rates_message
 
 # What the adapter offers; `WindowScaledSchedule` is found by its registered
 # name when a model is loaded.
@@ -99,10 +100,19 @@ def scaled_by(optimizer, scale):
         rate._applied_scale = previous
 
 
+def several_optimizers(optimizer):
+    """The optimizers `optimizer` hands variables to (a `MultiOptimizer`'s
+    `optimizers`, keras 3.15.1), or None for an optimizer of its own."""
+    inner = getattr(_inner(optimizer), "optimizers", None)
+    return list(inner) if isinstance(inner, (list, tuple)) else None
+
+
 def learning_rate_of(optimizer):
     """Float. The learning rate `optimizer` (or, under loss scaling, the
     optimizer it wraps) applies at its next update, a schedule's included;
-    None for a callable."""
+    None for a callable, or an optimizer of several rates."""
+    if several_optimizers(optimizer) is not None:
+        return None
     rate = _rate_of(optimizer)
     if hasattr(rate, "assign"):
         value = rate
@@ -117,7 +127,15 @@ def scalable_learning_rate(model):
     """What a window rule scales in `model`'s optimizer: an object with
     `value()` and `set(value)` for a float learning rate (the rate) or a
     `LearningRateSchedule` (a scale on it, wrapped in `WindowScaledSchedule`
-    here once), or None for a callable learning rate."""
+    here once), or None for a callable learning rate.
+
+    Raises:
+        ValueError: The optimizer hands its variables to several
+            optimizers (`MultiOptimizer`), each with its own rate.
+    """
+    several = several_optimizers(model.optimizer)
+    if several is not None:
+        raise ValueError(several_rates_message(model.optimizer, several))
     rate = _rate_of(model.optimizer)
     if hasattr(rate, "assign"):
         return FloatLearningRate(rate)
@@ -126,6 +144,8 @@ def scalable_learning_rate(model):
     if not isinstance(rate, WindowScaledSchedule):
         rate = WindowScaledSchedule(rate)
         _inner(model.optimizer)._learning_rate = rate
+        # A step traced before holds the bare schedule: trace it anew.
+        model.train_function = None
     # JAX's and PyTorch's window carries the factor in its state.
     return ScheduleScale(rate, getattr(
         model._accumulation, "follow_learning_rate_scale", None))
