@@ -98,6 +98,65 @@ def test_every_reduction_matches_large_batch(reduction, replicas,
     assert max_weight_difference(plain, model) <= TOLERANCE
 
 
+def _weighted_mean_loss(**kwargs):
+    try:
+        return keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="mean_with_sample_weight", **kwargs)
+    except ValueError:
+        pytest.skip("this Keras has no reduction='mean_with_sample_weight'")
+
+
+def _classifier(model_class, **kwargs):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((3,))
+    hidden = keras.layers.Dense(6, activation="tanh")(inputs)
+    return model_class(inputs, keras.layers.Dense(VOCABULARY)(hidden),
+                       **kwargs)
+
+
+@pytest.mark.parametrize("case", ["ignore_class_per_step",
+                                  "ignore_class_per_sample",
+                                  "keras_mask_per_step"])
+def test_a_weighted_mean_with_a_mask_matches_large_batch(case):
+    # The mean divides by the sample weights times the mask (the loss's own
+    # mask, or the prediction's Keras mask); Keras merges the two in place.
+    from test_exactness import _masked_lstm
+    from test_exactness import _padded_sequences
+
+    rng = np.random.default_rng(1)
+    x, y = _token_data()
+    per_step = rng.uniform(0.1, 3.0, size=y.shape).astype("float32")
+    if case == "ignore_class_per_step":
+        build, loss, weights = _tagger, _weighted_mean_loss(ignore_class=0), \
+            per_step
+    elif case == "ignore_class_per_sample":
+        x, y = x[:, 0], y[:, 0].copy()
+        y[::3] = 0
+        build, loss = _classifier, _weighted_mean_loss(ignore_class=0)
+        weights = rng.uniform(0.1, 3.0, size=len(y)).astype("float32")
+    else:
+        # Adam against the large batch with a dense Embedding gradient:
+        # Keras's Adam treats a repeated row of a sparse one separately
+        # (see test_exactness.py), which is not the reference.
+        x, y = _padded_sequences()
+        loss, weights = _weighted_mean_loss(), per_step
+        plain = _masked_lstm(keras.Model, dense_embedding=True)
+        plain.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
+        model = _masked_lstm(AccumulatingModel, n_gradients=4)
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
+        model.set_weights(plain.get_weights())
+        plain.fit(x, y, sample_weight=weights, batch_size=32, epochs=2,
+                  shuffle=False, verbose=0)
+        model.fit(x, y, sample_weight=weights, batch_size=8, epochs=2,
+                  shuffle=False, verbose=0)
+        assert iterations(model) == iterations(plain) == 4
+        assert max_weight_difference(plain, model) <= TOLERANCE
+        return
+    plain, model = _fit_both(build, loss, x, y, sample_weight=weights)
+    assert iterations(model) == iterations(plain) == 4
+    assert max_weight_difference(plain, model) <= TOLERANCE
+
+
 def _per_element_squared_error(y_true, y_pred):
     return keras.ops.mean(keras.ops.square(y_true - y_pred), axis=-1)
 

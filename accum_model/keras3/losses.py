@@ -102,15 +102,19 @@ def recording_loss_reductions(shape_ops):
 
     def recording(values, sample_weight=None, mask=None,
                   reduction="sum_over_batch_size", dtype=None):
-        loss = original(values, sample_weight=sample_weight, mask=mask,
-                        reduction=reduction, dtype=dtype)
         weight_sum = None
         if reduction == "mean_with_sample_weight" and (
             sample_weight is not None or mask is not None
         ):
-            weight_sum = ops.sum(
-                _merged_sample_weight(values, sample_weight, mask, reduction)
-            )
+            # Before Keras's own reduction, from a copy: Keras's
+            # `apply_mask` multiplies the sample weights by the mask in
+            # place, which on PyTorch would change a tensor the backward
+            # pass needs.
+            weight_sum = ops.sum(_merged_sample_weight(
+                values, None if sample_weight is None
+                else ops.copy(sample_weight), mask, reduction))
+        loss = original(values, sample_weight=sample_weight, mask=mask,
+                        reduction=reduction, dtype=dtype)
         records.append(divisor.reduction_of(values, reduction, shape_ops,
                                             mask, weight_sum,
                                             loss=_calling_loss()))
