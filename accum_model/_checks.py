@@ -297,6 +297,7 @@ def warn_if_batch_statistics_differ(model, warn):
         model: The model about to train.
         warn: Callable taking a message, warning once per model.
     """
+    warn_if_wrapped_modules_keep_batch_statistics(model, warn)
     training = [
         layer for layer in adapter.layers_of(model)
         if layer is not model and layer.trainable and any(
@@ -349,6 +350,45 @@ def warn_if_batch_statistics_differ(model, warn):
             f"{where}, moves its moving mean and variance once per "
             "micro-batch, so they are not the large batch's and the window "
             "is not exact. " + choices
+        )
+
+
+def warn_if_wrapped_modules_keep_batch_statistics(model, warn):
+    """Warns when a layer wraps a module of another framework that keeps
+    running batch statistics (`torch.nn.BatchNorm1d` in a
+    `keras.layers.TorchModuleWrapper`, say).
+
+    Such a module normalises each micro-batch with its own statistics and
+    moves its running mean and variance on every micro-batch, out of the
+    window's reach. Found by what the module holds (`named_modules()`, and
+    a submodule's `running_mean` with `track_running_stats`), without
+    importing its framework.
+
+    Args:
+        model: The model about to train.
+        warn: Callable taking a message, warning once per model.
+    """
+    found = []
+    for layer in adapter.layers_of(model):
+        module = getattr(layer, "module", None)
+        named_modules = getattr(module, "named_modules", None)
+        if layer is model or not callable(named_modules):
+            continue
+        found += [
+            f"{layer.name}.{name}" if name else layer.name
+            for name, submodule in named_modules()
+            if getattr(submodule, "track_running_stats", False)
+            and getattr(submodule, "running_mean", None) is not None]
+    if found:
+        warn(
+            f"Wrapped modules {sorted(found)} keep running batch statistics "
+            "(such as torch.nn.BatchNorm1d): they normalise each "
+            "micro-batch with its own statistics and move their running "
+            "mean and variance on every micro-batch, which the window "
+            "cannot pool, so neither is the large batch's. Use "
+            "keras.layers.BatchNormalization (whose moving statistics the "
+            "window moves once per window), GroupNorm or LayerNorm, or "
+            "accept the difference."
         )
 
 

@@ -6,6 +6,7 @@ import warnings
 
 import keras
 import numpy as np
+import pytest
 
 from accum_model import AccumulatingModel
 from accum_model import accumulating
@@ -104,6 +105,34 @@ def test_batch_normalization_of_an_existing_model_is_named():
     model = accumulating(_conv_bn(keras.Model), n_gradients=2)
     model.compile(optimizer="sgd", loss="mse")
     assert [m for m in _fit_messages(model, x, y) if "BatchNormalization" in m]
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch",
+                    reason="PyTorch backend only: a torch module in Keras")
+def test_torch_batch_normalization_in_a_wrapper_is_named():
+    import torch
+
+    x, _ = regression_data(samples=16)
+    y = x[:, :1]
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6,))
+    wrapped = keras.layers.TorchModuleWrapper(torch.nn.Sequential(
+        torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8)), name="torch_block",
+        output_shape=(None, 8))
+    model = AccumulatingModel(inputs, keras.layers.Dense(1)(wrapped(inputs)),
+                              n_gradients=2)
+    model.compile(optimizer="sgd", loss="mse")
+    messages = [m for m in _fit_messages(model, x, y)
+                if "running batch statistics" in m]
+    assert len(messages) == 1 and "torch_block.1" in messages[0]
+    # Without normalisation nothing is said.
+    plain_block = keras.layers.TorchModuleWrapper(torch.nn.Linear(6, 8),
+                                                 output_shape=(None, 8))
+    quiet = AccumulatingModel(inputs, keras.layers.Dense(1)(
+        plain_block(inputs)), n_gradients=2)
+    quiet.compile(optimizer="sgd", loss="mse")
+    assert not [m for m in _fit_messages(quiet, x, y)
+                if "running batch statistics" in m]
 
 
 def test_without_accumulation_nothing_is_said():
