@@ -47,6 +47,16 @@ def windows_reference(x, y, windows, optimizer):
     return plain
 
 
+def aligned_copy(array, alignment=64):
+    """A copy of `array` whose data starts on an `alignment`-byte boundary."""
+    raw = np.empty(array.nbytes + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    aligned = raw[start:start + array.nbytes].view(array.dtype)
+    aligned = aligned.reshape(array.shape)
+    aligned[...] = array
+    return aligned
+
+
 def max_weight_difference(model_a, model_b):
     return max(
         float(np.max(np.abs(a - b)))

@@ -537,6 +537,34 @@ def test_masked_sequences_under_two_replicas(two_replicas):
     assert max_weight_difference(plain, model) <= TOLERANCE
 
 
+def test_a_generator_of_views_of_the_users_arrays_is_left_alone(
+        two_replicas):
+    # See test_distribution.py: a 64-byte aligned array reaches a replica
+    # without a copy, and the step must not write into it.
+    from helpers import aligned_copy
+
+    x, y = regression_data(samples=128)
+    plain = mlp(keras.Model)
+    plain.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    plain.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    x, y = aligned_copy(x), aligned_copy(y)
+    y_before = y.copy()
+
+    def slices():
+        for start in range(0, 128, 16):
+            yield x[start:start + 16], y[start:start + 16]
+
+    data = tf.data.Dataset.from_generator(slices, output_signature=(
+        tf.TensorSpec((None, 6), tf.float32),
+        tf.TensorSpec((None, 3), tf.float32)))
+    with two_replicas.scope():
+        model = mlp(AccumulatingModel, n_gradients=4)
+        model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+        model.fit(data, epochs=2, verbose=0)
+    np.testing.assert_array_equal(y, y_before)
+    assert max_weight_difference(plain, model) <= TOLERANCE
+
+
 def test_several_workers_are_refused_by_name():
     # One worker is enough to build the strategy; Keras 2 is not run with
     # several.

@@ -38,6 +38,7 @@ def train_step(model, data, details):
         The logs of the step.
     """
     accumulation = model._accumulation
+    data = _owned_by_the_step(data, model.distribute_strategy)
     x, y, sample_weight = details.unpack_x_y_sample_weight(data)
     with tf.GradientTape() as tape:
         # BatchNormalization's moving statistics move once per window,
@@ -90,6 +91,27 @@ def train_step(model, data, details):
         # An overflow must never pass silently: show the count.
         logs = {**logs, "skipped_windows": window.skipped_windows.value()}
     return details.logs_for_reduction(logs, model.distribute_strategy)
+
+
+def _owned_by_the_step(data, strategy):
+    """The micro-batch, copied where TensorFlow may write into the user's
+    arrays.
+
+    Under a strategy of several replicas on CPUs, a replica's share of a
+    batch that `tf.data.Dataset.from_generator` took from the user's NumPy
+    arrays (views, such as `x[i:j]`) can share their memory, and an op of
+    the step that reuses its input's buffer for its output then writes into
+    them: the next epoch reads corrupted targets (tensorflow 2.21, plain
+    Keras as well, in about a third of processes). A copy per micro step
+    costs one micro-batch's bytes on the replica.
+    """
+    if strategy.num_replicas_in_sync < 2 or not any(
+            "CPU" in device.upper()
+            for device in strategy.extended.worker_devices):
+        return data
+    return tf.nest.map_structure(
+        lambda value: (tf.raw_ops.DeepCopy(x=value)
+                       if isinstance(value, tf.Tensor) else value), data)
 
 
 def default_micro_batch_weight(model, x, y_pred, details):
