@@ -1,10 +1,10 @@
 """What each `accumulator_dtype` costs in exactness and memory.
 
-Trains the digits CNN of `examples/train_digits.py` (micro-batches of 16,
-`n_gradients=4`, Adam) once per accumulator dtype, and plain Keras on
-batches of 64 from the same initial weights, and prints the largest weight
-difference after each epoch, the accumulators' bytes and the windows
-skipped. The last row is plain Keras against itself under XLA: the float32
+Trains the digits CNN of `examples/train_digits.py`, with ReLU
+(micro-batches of 16, `n_gradients=4`, Adam), once per accumulator dtype,
+and plain Keras on batches of 64 from the same initial weights, and prints
+the largest weight difference after each epoch, the accumulators' bytes and
+the windows skipped. The last row is plain Keras against itself under XLA: the float32
 rounding floor.
 
 Run: python benchmarks/accumulator_dtypes.py [--epochs 5] [--out DIR]
@@ -43,10 +43,10 @@ def _compiled(model, jit_compile=False):
 def measure(epochs, micro_batch=16, n_gradients=4):
     (x, y), _ = load_data()
     keras.utils.set_random_seed(0)
-    initial = build_cnn(keras.Model).get_weights()
+    initial = build_cnn(keras.Model, "relu").get_weights()
 
     def fresh(model_class, jit_compile=False, **kwargs):
-        model = build_cnn(model_class, **kwargs)
+        model = build_cnn(model_class, "relu", **kwargs)
         model.set_weights(initial)
         return _compiled(model, jit_compile)
 

@@ -71,7 +71,8 @@ def digits_reading(epochs, micro_batch=16, n_gradients=4):
     example = digits_example()
     (x, y), validation = example.load_data()
     keras.utils.set_random_seed(0)
-    model = example.build_cnn(AccumulatingModel, n_gradients=n_gradients,
+    model = example.build_cnn(AccumulatingModel, "relu",
+                              n_gradients=n_gradients,
                               measure_noise_scale=True)
     model.compile(optimizer=keras.optimizers.Adam(1e-2),
                   loss="sparse_categorical_crossentropy",
