@@ -156,10 +156,13 @@ def _is_keras_own(thing):
 
 
 def _loss_name(loss):
+    """The loss as a message names it: its class, or the function that
+    Keras wrapped (a function of the user's, or `keras.losses.dice`)."""
     if loss is None:
         return "the loss"
     function = getattr(loss, "fn", None)
-    if callable(function) and not _is_keras_own(function):
+    wrapped_only = type(loss).__name__ == "LossFunctionWrapper"
+    if callable(function) and (wrapped_only or not _is_keras_own(function)):
         return f"`{getattr(function, '__name__', type(loss).__name__)}`"
     return f"`{type(loss).__name__}`"
 
@@ -257,10 +260,10 @@ def _warn_about_batch_dependence(reductions, model_name):
                 f"The loss {name} computes one value over the whole batch "
                 "(axis=None), which no window of micro-batches can "
                 "reproduce: each micro-batch's value is its own, and the "
-                "window averages them. Give it an axis that keeps samples "
-                f"apart (for images {name[:-1]}(axis=(1, 2, 3))` is a "
-                "per-sample loss, exact), or accept the difference and "
-                "override `micro_batch_weight` to choose the weights.",
+                "window averages them. Give it an `axis` that keeps samples "
+                "apart (axis=(1, 2, 3) for images: a per-sample loss, "
+                "exact), or accept the difference and override "
+                "`micro_batch_weight` to choose the weights.",
             )
         elif term.dependence == IN_BATCH:
             _warn_once(
