@@ -30,7 +30,7 @@ if len(set(_TENSORFLOWS.values())) > 1:
         + ", ".join(f"{d}=={v}" for d, v in sorted(_TENSORFLOWS.items()))
         + "). Run the tests in a fresh virtual environment: python -m venv "
         "venv && . venv/bin/activate && python -m pip install -e \".[test]\" "
-        "&& python -m pytest"
+        "&& python -m pytest -n 2"
     )
 
 # On JAX, two CPU devices for `keras.distribution` (read when JAX starts).

@@ -406,7 +406,7 @@ def test_ci_runs_the_readme_test_command():
 
     root = pathlib.Path(__file__).resolve().parent.parent
     readme = (root / "README.md").read_text()
-    command = 'python -m pip install -e ".[test]" && python -m pytest'
+    command = 'python -m pip install -e ".[test]" && python -m pytest -n 2'
     assert command in readme
     assert command in (root / ".ci" / "run").read_text().splitlines()
 

@@ -73,7 +73,7 @@ class Reduction:
 
 
 def reduction_of(values, reduction, ops, mask=None, weight_sum=None,
-                 loss=None):
+                 loss=None, prediction=None):
     """The `Reduction` Keras applies to per-element loss `values`.
 
     Args:
@@ -87,10 +87,13 @@ def reduction_of(values, reduction, ops, mask=None, weight_sum=None,
             the sample weights (Keras 3's "mean_with_sample_weight") divides
             by, when it does.
         loss: The `Loss` object whose values these are, or None.
+        prediction: The prediction the loss was given, or None.
     """
     values = ops.convert(values)
     scalar = len(values.shape) == 0
-    described = {"dependence": batch_dependence(loss, scalar),
+    shape = getattr(prediction, "shape", None)
+    described = {"dependence": batch_dependence(
+                     loss, scalar, None if shape is None else len(shape)),
                  "loss_name": _loss_name(loss)}
     if reduction in (None, "none") or scalar:
         return Reduction(reduction, None, may_vary=True, **described)
@@ -106,21 +109,24 @@ def reduction_of(values, reduction, ops, mask=None, weight_sum=None,
                      **described)
 
 
-def batch_dependence(loss, scalar):
+def batch_dependence(loss, scalar, prediction_rank=None):
     """How a loss's values hang on their batch beyond Keras's reduction.
 
-    Keras's own losses are told apart by what they take, not their names: a
-    function with an `axis` that is None reduces the whole batch to one
-    number; one with `ref_embeddings` that is None compares each sample
-    with the batch's others. Keras's other losses give one value per
-    element, a scalar only for a prediction of shape `(batch,)`, whose mean
-    Keras then takes over the batch.
+    Keras's own losses are told apart by what they take and give, not their
+    names: a function with an `axis` that is None reduces the whole batch
+    to one number, as does one that gives one number for a prediction of
+    rank 2 or more (Tversky before it took an `axis`, keras 3.6); one with
+    `ref_embeddings` that is None compares each sample with the batch's
+    others. Keras's other losses give one value per element, a scalar only
+    for a prediction of shape `(batch,)`, whose mean Keras then takes over
+    the batch.
 
     Args:
         loss: The `Loss` object (a `LossFunctionWrapper` holds its function
             in `fn` and its arguments in `_fn_kwargs`, in Keras 2 and 3), or
             None where it is not known.
         scalar: Bool. Whether the values were one number.
+        prediction_rank: Int, or None where it is not known.
 
     Returns:
         None, `SCALAR`, `WHOLE_BATCH` or `IN_BATCH`.
@@ -142,7 +148,7 @@ def batch_dependence(loss, scalar):
         return name in parameters and arguments.get(
             name, parameters[name].default) is None
 
-    if is_none("axis"):
+    if is_none("axis") or (scalar and (prediction_rank or 0) >= 2):
         return WHOLE_BATCH
     if is_none("ref_embeddings"):
         return IN_BATCH
@@ -257,13 +263,13 @@ def _warn_about_batch_dependence(reductions, model_name):
         elif term.dependence == WHOLE_BATCH:
             _warn_once(
                 model_name,
-                f"The loss {name} computes one value over the whole batch "
-                "(axis=None), which no window of micro-batches can "
-                "reproduce: each micro-batch's value is its own, and the "
-                "window averages them. Give it an `axis` that keeps samples "
-                "apart (axis=(1, 2, 3) for images: a per-sample loss, "
-                "exact), or accept the difference and override "
-                "`micro_batch_weight` to choose the weights.",
+                f"The loss {name} computes one value over the whole batch, "
+                "which no window of micro-batches can reproduce: each "
+                "micro-batch's value is its own, and the window averages "
+                "them. Where the loss takes an `axis`, give it one that "
+                "keeps samples apart (axis=(1, 2, 3) for images: a "
+                "per-sample loss, exact); or accept the difference and "
+                "override `micro_batch_weight` to choose the weights.",
             )
         elif term.dependence == IN_BATCH:
             _warn_once(

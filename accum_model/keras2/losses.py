@@ -118,8 +118,10 @@ def recording_loss_reductions():
         mask = masks.pop() if masks else None
         if reduction not in (None, "none", divisor.SUM):
             reduction = "sum_over_batch_size"  # What "auto" means here.
-        records.append(divisor.reduction_of(losses, reduction, TF_SHAPES,
-                                            mask, loss=_calling_loss()))
+        loss_object, prediction = _calling_loss()
+        records.append(divisor.reduction_of(
+            losses, reduction, TF_SHAPES, mask, loss=loss_object,
+            prediction=prediction))
         return loss
 
     with replaced(_losses_utils, {"apply_valid_mask": noting_mask,
@@ -129,11 +131,15 @@ def recording_loss_reductions():
 
 def _calling_loss():
     """The `Loss` whose `__call__` called the wrapped reduction (its
-    `self`), or None: `Loss.__call__` calls it (keras 2.13-2.15, tf_keras
+    `self`) and its prediction, or (None, None):
+    `Loss.__call__(self, y_true, y_pred, ...)` calls it (keras 2.13-2.15, tf_keras
     2.21), as do Keras 2's v1 training loops, which pass no `Loss`.
     """
-    caller = sys._getframe(2).f_locals.get("self")
-    return caller if isinstance(caller, _losses.Loss) else None
+    caller = sys._getframe(2).f_locals
+    loss = caller.get("self")
+    if not isinstance(loss, _losses.Loss):
+        return None, None
+    return loss, caller.get("y_pred")
 
 
 def _value(variable):

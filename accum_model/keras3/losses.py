@@ -115,9 +115,10 @@ def recording_loss_reductions(shape_ops):
                 else ops.copy(sample_weight), mask, reduction))
         loss = original(values, sample_weight=sample_weight, mask=mask,
                         reduction=reduction, dtype=dtype)
-        records.append(divisor.reduction_of(values, reduction, shape_ops,
-                                            mask, weight_sum,
-                                            loss=_calling_loss()))
+        loss_object, prediction = _calling_loss()
+        records.append(divisor.reduction_of(
+            values, reduction, shape_ops, mask, weight_sum,
+            loss=loss_object, prediction=prediction))
         return loss
 
     with replaced(keras_loss_module, {"reduce_weighted_values": recording}):
@@ -126,10 +127,15 @@ def recording_loss_reductions(shape_ops):
 
 def _calling_loss():
     """The `Loss` whose `__call__` called the wrapped reduction (its
-    `self`), or None: `Loss.__call__` is its one caller in keras 3.6-3.15.
+    `self`) and the prediction it was given, or (None, None):
+    `Loss.__call__(self, y_true, y_pred, ...)` is its one caller in keras
+    3.6-3.15.
     """
-    caller = sys._getframe(2).f_locals.get("self")
-    return caller if isinstance(caller, keras_loss_module.Loss) else None
+    caller = sys._getframe(2).f_locals
+    loss = caller.get("self")
+    if not isinstance(loss, keras_loss_module.Loss):
+        return None, None
+    return loss, caller.get("y_pred")
 
 
 def _merged_sample_weight(values, sample_weight, mask, reduction):
