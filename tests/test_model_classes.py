@@ -90,13 +90,6 @@ def test_cloned_model_trains_like_the_large_batch():
     assert max_weight_difference(plain, clone) <= 1e-6
 
 
-def _sequential():
-    keras.utils.set_random_seed(1)
-    return keras.Sequential([keras.Input((6,)),
-                             keras.layers.Dense(8, activation="tanh"),
-                             keras.layers.Dense(3)])
-
-
 @pytest.mark.parametrize("compiled", [False, True])
 def test_clone_of_an_accumulating_sequential_accumulates(compiled):
     # Keras clones every Sequential as a plain one; the clone of an
