@@ -194,6 +194,11 @@ def compiled_jax_step(model, distribution, x, y, batch_size=8):
             trainable_variables=True, non_trainable_variables=True,
             optimizer_variables=True, metrics_variables=True)
         data = _distribute_data((x[:batch_size], y[:batch_size]))
+        # Keras before 3.11 (checked on 3.10.0) forgets the state's layout
+        # when fit() ends, and its step constrains the state to it.
+        record = getattr(model, "_record_training_state_sharding_spec", None)
+        if record is not None:
+            record()
         # Keras before 3.11 jits without out_shardings (its step constrains
         # the layout itself).
         step = jax.jit(model.train_step, out_shardings=(
