@@ -40,25 +40,36 @@ if os.environ.get("KERAS_BACKEND") == "jax" and (
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=2")
 
-import keras  # noqa: E402
+# The core's own tests (tests/core) run without Keras or a backend.
+CORE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "core")
 
-from backends import ON_TENSORFLOW  # noqa: E402
 
-if ON_TENSORFLOW:
-    import tensorflow as tf
+def pytest_configure(config):
+    """Sets up Keras's backend before any test module imports it, unless
+    only the core's tests run."""
+    paths = [os.path.abspath(str(arg).split("::")[0]) for arg in config.args]
+    if paths and all(path.startswith(CORE) for path in paths):
+        return
+    from backends import ON_TENSORFLOW
 
-    # Distribution tests need two replicas; the split must happen before
-    # TensorFlow initialises its devices, so it is done once, here.
-    _cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        _cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-    )
+    if ON_TENSORFLOW:
+        import tensorflow as tf
+
+        # Distribution tests need two replicas; the split must happen
+        # before TensorFlow initialises its devices, so it is done once,
+        # here.
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+        )
 
 
 @pytest.fixture(autouse=True)
 def float32_policy():
     """Every test starts and ends under the float32 policy (of `keras`, and
     of `tf.keras` where that is Keras 2)."""
+    import keras
+
     keras.mixed_precision.set_global_policy("float32")
     yield
     keras.mixed_precision.set_global_policy("float32")
@@ -74,6 +85,10 @@ def two_replicas():
     a later test's collective ops failed with "Shape mismatch in the
     collective instance" against an earlier test's gradient shapes.
     """
+    import keras
+
+    from backends import ON_TENSORFLOW
+
     if keras.backend.backend() == "torch":
         pytest.skip("Keras 3 has no data-parallel fit() on PyTorch")
     if not ON_TENSORFLOW:
@@ -84,4 +99,6 @@ def two_replicas():
             pytest.skip("needs two JAX devices (XLA_FLAGS="
                         "--xla_force_host_platform_device_count=2)")
         return keras.distribution.DataParallel(devices=devices[:2])
+    import tensorflow as tf
+
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])

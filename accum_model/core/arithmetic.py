@@ -24,7 +24,13 @@ ArrayOps = collections.namedtuple("ArrayOps", [
     # the backend has one (a traced TensorFlow window is smaller with it);
     # None to build it from `where`.
     "divide_no_nan",
-], defaults=(None,))
+    # What the window's transitions (`core.window`) use besides: NumPy's
+    # `sum`, `square`, `abs`, `max` (of all elements), `all`, `isfinite`;
+    # `cast(x, dtype_name)`, `zeros(shape, dtype_name)`, and
+    # `dtype_name(x)`, its dtype as a string ("float32").
+    "sum", "square", "abs", "max", "all", "isfinite", "cast", "zeros",
+    "dtype_name",
+], defaults=(None,) * 10)
 
 # The smallest magnitude float16 rounds to infinity (its largest finite
 # value, 65504, plus half of its last step, 32).

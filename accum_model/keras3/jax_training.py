@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import keras
 
 from accum_model.core import divisor
+from accum_model.core.window import WindowState
 from accum_model.keras3 import losses
 from accum_model.keras3 import stateless_window
 from accum_model.keras3.jax_window import window_sharding as _window_sharding
@@ -61,7 +62,6 @@ from accum_model.keras3.stateless_training import is_foreign_layer
 from accum_model.keras3.stateless_training import logs_for_reduction
 from accum_model.keras3.stateless_training import recording_batch_statistics
 from accum_model.keras3.stateless_training import replicas_in_sync
-from accum_model.keras3.stateless_window import WindowState
 
 __all__ = ["END_OF_DATA_ERRORS", "ModelDifferences", "STEPS_PER_EXECUTION_FIX",
            "accumulate_gradients", "accumulating_train_step",

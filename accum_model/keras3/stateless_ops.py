@@ -23,6 +23,9 @@ KERAS_OPS = arithmetic.ArrayOps(
     where=ops.where, minimum=ops.minimum, maximum=ops.maximum,
     zeros_like=ops.zeros_like, ones_like=ops.ones_like,
     to_float32=to_float32,
+    sum=ops.sum, square=ops.square, abs=ops.abs, max=ops.max, all=ops.all,
+    isfinite=ops.isfinite, cast=ops.cast, zeros=ops.zeros,
+    dtype_name=lambda value: keras.backend.standardize_dtype(value.dtype),
 )
 
 

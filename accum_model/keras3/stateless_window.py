@@ -1,20 +1,18 @@
-"""Keras 3 on JAX and PyTorch: the window as values.
+"""Keras 3 on JAX and PyTorch: the store that runs the window as values.
 
-The window is a `WindowState` (a pytree of accumulators and counters),
-written once with `keras.ops`: JAX runs it inside its jitted training step
-(its state rides in Keras's JAX state, see `jax_training`), PyTorch runs it
-eagerly (see `torch_training`). `add_micro_batch` adds a micro-batch;
+The window's state and transitions are `accum_model.core.window`'s, run
+with `keras.ops`: JAX runs them inside its jitted training step (the
+state rides in Keras's JAX state, see `jax_training`), PyTorch eagerly
+(see `torch_training`). `add_micro_batch` adds a micro-batch;
 `end_window` applies the window with the optimizer's own
 `stateless_apply`, or skips it on overflow, in the step or at an epoch's
-end. Its numbers are `accum_model.core.arithmetic`'s, and its file layout
-is `core.checkpoint_layout`'s, as on TensorFlow. Each backend's module
-subclasses `Accumulation` for what only it has. Checked on keras 3.15.1
-with jax 0.10.2 and torch 2.13.0.
+end. Its file layout is `core.checkpoint_layout`'s, as on TensorFlow.
+Each backend's module subclasses `Accumulation` for what only it has.
+Checked on keras 3.15.1 with jax 0.10.2 and torch 2.13.0.
 """
 
 import functools
 import math
-import typing
 import warnings
 import weakref
 
@@ -26,6 +24,7 @@ from keras.src.saving.keras_saveable import KerasSaveable
 
 from accum_model.core import arithmetic
 from accum_model.core import checkpoint_layout as layout
+from accum_model.core import window as core_window
 from accum_model.core.lifecycle import WindowLifecycle
 from accum_model.core.messages import window_is_open
 from accum_model.core.optimizer_duties import OptimizerDuties
@@ -36,84 +35,6 @@ from accum_model.keras3.stateless_ops import KERAS_OPS
 
 # Used by the backends' modules; nothing of the adapter's own.
 __all__ = []
-
-class WindowState(typing.NamedTuple):
-    """The open window's values (a pytree of the backend's arrays), one
-    entry per counter."""
-
-    gradient_sums: list
-    weight_sum: typing.Any
-    loss_sum: typing.Any
-    sample_sum: typing.Any
-    micro_steps: typing.Any
-    # Micro steps left before the epoch ends; negative when unknown.
-    steps_left_in_epoch: typing.Any
-    length: typing.Any
-    next_length: typing.Any
-    skipped_windows: typing.Any
-    # The noise scale (`measure_noise_scale`; zeros otherwise): the window's
-    # sum of v |g_v|^2, of v, its micro-batches with v > 0, and 0.0 while
-    # its first micro-batches are missing from those sums (restored open);
-    # then the epoch's summed estimates of tr(Sigma), |G|^2 and their count.
-    noise_squared_norm_sum: typing.Any
-    noise_weight_sum: typing.Any
-    noise_micro_batches: typing.Any
-    noise_measurable: typing.Any
-    noise_trace_sum: typing.Any
-    noise_signal_sum: typing.Any
-    noise_estimates: typing.Any
-    # BatchNormalization's pooled moments: per pooled layer, [3, channels]
-    # of element count, shifted sum and shifted sum of squares.
-    statistics_sums: list
-    # What the window end multiplies a scaled learning-rate schedule by
-    # (`learning_rate.WindowScaledSchedule`; 1.0 without one).
-    learning_rate_scale: typing.Any
-
-
-def _empty_state(variables, dtype, length, steps_left_in_epoch=-1,
-                 skipped_windows=0, statistics_sums=()):
-    def scalar(value, kind="float32"):
-        return ops.cast(value, kind)
-
-    # Variables Keras overwrites with their "gradient" (float8 statistics)
-    # keep the window's largest value, in float32, as on TensorFlow.
-    return WindowState(
-        gradient_sums=[
-            ops.zeros(v.shape, "float32"
-                      if is_overwritten_with_gradient(v) else dtype)
-            for v in variables],
-        weight_sum=scalar(0.0), loss_sum=scalar(0.0), sample_sum=scalar(0.0),
-        micro_steps=scalar(0, "int32"),
-        steps_left_in_epoch=scalar(steps_left_in_epoch, "int32"),
-        length=scalar(length, "int32"), next_length=scalar(length,
-                                                             "int32"),
-        skipped_windows=scalar(skipped_windows, "int32"),
-        noise_squared_norm_sum=scalar(0.0), noise_weight_sum=scalar(0.0),
-        noise_micro_batches=scalar(0.0), noise_measurable=scalar(1.0),
-        noise_trace_sum=scalar(0.0), noise_signal_sum=scalar(0.0),
-        noise_estimates=scalar(0.0),
-        statistics_sums=list(statistics_sums),
-        learning_rate_scale=scalar(1.0),
-    )
-
-
-def _reset(state):
-    """The state of an empty window after `state`'s (it takes the next
-    window's length)."""
-    return state._replace(
-        gradient_sums=[ops.zeros_like(s) for s in state.gradient_sums],
-        weight_sum=ops.zeros_like(state.weight_sum),
-        loss_sum=ops.zeros_like(state.loss_sum),
-        sample_sum=ops.zeros_like(state.sample_sum),
-        micro_steps=ops.zeros_like(state.micro_steps),
-        length=state.next_length,
-        noise_squared_norm_sum=ops.zeros_like(state.noise_squared_norm_sum),
-        noise_weight_sum=ops.zeros_like(state.noise_weight_sum),
-        noise_micro_batches=ops.zeros_like(state.noise_micro_batches),
-        noise_measurable=ops.ones_like(state.noise_measurable),
-        statistics_sums=[ops.zeros_like(s) for s in state.statistics_sums],
-    )
-
 
 class Accumulation(WindowLifecycle):
     """The window state of one model on JAX or PyTorch, and its life cycle.
@@ -263,9 +184,10 @@ class Accumulation(WindowLifecycle):
         self.statistics = PooledStatistics(model)
         if self.window is not None and self.window.matches(variables):
             return
-        self.window = _Window(variables, _empty_state(
-            variables, self.settings.accumulator_dtype, self.window_length(),
-            self._epoch_steps,
+        self.window = _Window(variables, core_window.empty_state(
+            [tuple(v.shape) for v in variables],
+            self.settings.accumulator_dtype, self.overwrite,
+            self.window_length(), KERAS_OPS, self._epoch_steps,
             statistics_sums=self.statistics.empty_sums()))
         self.follow_learning_rate_scale()
         self.checkpoint.window_built()
@@ -304,15 +226,9 @@ class Accumulation(WindowLifecycle):
     def start_epoch(self, steps, epoch=None):
         self._start_epoch_counts(steps, epoch)
         if self.window is not None:
-            replaced = {"steps_left_in_epoch": ops.cast(self._epoch_steps,
-                                                           "int32")}
-            if epoch is not None:
-                # The noise scale is the epoch's own.
-                replaced.update({
-                    name: ops.cast(0.0, "float32") for name in (
-                        "noise_trace_sum", "noise_signal_sum",
-                        "noise_estimates")})
-            self.window.state = self.window.state._replace(**replaced)
+            self.window.state = core_window.with_epoch(
+                self.window.state, self._epoch_steps, KERAS_OPS,
+                new_epoch=epoch is not None)
             self._set_window_length(self.window_length())
             self.follow_learning_rate_scale()
 
@@ -329,13 +245,18 @@ class Accumulation(WindowLifecycle):
                 "float32"))
 
     def _set_window_length(self, length):
-        state = self.window.state
-        # Separate arrays: Keras hands the state's buffers over to the next
-        # step, and one buffer cannot be handed over twice.
-        self.window.state = state._replace(
-            next_length=ops.cast(length, "int32"),
-            length=(ops.cast(length, "int32")
-                    if int(state.micro_steps) == 0 else state.length),
+        self.window.state = core_window.with_length(self.window.state,
+                                                    length, KERAS_OPS)
+
+    def window_config(self):
+        """The `core.window.WindowConfig` of the window as set up now."""
+        return core_window.WindowConfig(
+            overwrite=tuple(self.overwrite),
+            divide_by_weight=self.divide_by_weight,
+            measure_noise_scale=self.settings.measure_noise_scale,
+            has_gradient=(None if self.has_gradient is None
+                          else tuple(self.has_gradient)),
+            float16=tuple(self.float16_flags),
         )
 
     def apply_open_window(self):
@@ -353,9 +274,8 @@ class Accumulation(WindowLifecycle):
             self._apply_open = key, self._eager_end(functools.partial(
                 end_window, self))
         state = self.window.state
-        window_loss = arithmetic.window_loss(
-            state.loss_sum, state.weight_sum, self.divide_by_weight,
-            KERAS_OPS)
+        window_loss = core_window.loss(self.window_config(), state,
+                                       KERAS_OPS)
         samples = state.sample_sum
         # The large batch's forward pass moves the moving statistics
         # whether or not its update is then skipped for overflow.
@@ -389,41 +309,20 @@ class _Window:
 
 
 def add_micro_batch(accumulation, trainable, optimizer_values, window,
-                     gradients, weight, loss, samples, non_trainable=None,
-                     moments=None):
+                    gradients, weight, loss, samples, non_trainable=None,
+                    moments=None):
     """Adds a micro-batch (and its normalization layers' `moments`) to the
     window and applies the window when it is due; returns the new
     (trainable, non-trainable, optimizer values, window), whether the
     window ended, its loss and its samples."""
-    wide = "float64" if window.gradient_sums and (
-        keras.backend.standardize_dtype(window.gradient_sums[0].dtype)
-        == "float64") else "float32"
-    first = window.micro_steps == 0
-    window = window._replace(
-        gradient_sums=[
-            ops.where(first, ops.cast(g, "float32"),
-                      ops.maximum(total, ops.cast(g, "float32")))
-            if overwrite
-            else total + ops.cast(ops.cast(g, wide) * ops.cast(weight, wide),
-                                  total.dtype)
-            for total, g, overwrite in zip(
-                window.gradient_sums, gradients, accumulation.overwrite)],
-        weight_sum=window.weight_sum + weight,
-        loss_sum=window.loss_sum + arithmetic.weighted_loss(
-            ops.cast(loss, "float32"), weight, KERAS_OPS),
-        sample_sum=window.sample_sum + samples,
-        micro_steps=window.micro_steps + 1,
-        **noise_terms(accumulation, window, gradients, weight, samples),
-        steps_left_in_epoch=window.steps_left_in_epoch - 1,
-    )
+    config = accumulation.window_config()
+    window = core_window.added(config, window, gradients, weight, loss,
+                               samples, KERAS_OPS)
     if moments is not None:
         window = window._replace(statistics_sums=accumulation.statistics.added(
             window.statistics_sums, moments, non_trainable))
-    ends = accumulation._settled(ops.logical_or(
-        window.micro_steps >= window.length, window.steps_left_in_epoch == 0))
-    window_loss = arithmetic.window_loss(
-        window.loss_sum, window.weight_sum, accumulation.divide_by_weight,
-        KERAS_OPS)
+    ends = accumulation._settled(core_window.ends(window))
+    window_loss = core_window.loss(config, window, KERAS_OPS)
     window_samples = window.sample_sum
     if moments is not None:
         # Moved whether the update is applied or skipped for overflow, as
@@ -437,120 +336,54 @@ def add_micro_batch(accumulation, trainable, optimizer_values, window,
             window_loss, window_samples)
 
 
-def noise_terms(accumulation, window, gradients, weight, samples):
-    """The window's noise sums with this micro-batch in (see the TensorFlow
-    window's `NoiseScale.add`); none when the noise scale is off."""
-    if not accumulation.settings.measure_noise_scale:
-        return {}
-    squared_norm = sum(
-        (ops.sum(ops.square(ops.cast(g, "float32")))
-         for g, overwrite in zip(gradients, accumulation.overwrite)
-         if not overwrite), ops.convert_to_tensor(0.0, "float32"))
-    size = weight if accumulation.divide_by_weight else samples
-    return {
-        "noise_squared_norm_sum": window.noise_squared_norm_sum
-        + arithmetic.noise_micro_batch_term(weight, squared_norm, size,
-                                            KERAS_OPS),
-        "noise_weight_sum": window.noise_weight_sum + size,
-        "noise_micro_batches": window.noise_micro_batches
-        + ops.where(size > 0, 1.0, 0.0),
-    }
-
-
 def end_window(accumulation, operands):
     """Applies the window in `operands` (trainable values, optimizer
     values, `WindowState`) with the optimizer, or skips it when it
     overflowed; returns the three with the window emptied."""
     trainable, optimizer_values, state = operands
     scaling = accumulation.loss_scaling
-    total_weight = (state.weight_sum if accumulation.divide_by_weight
-                    else ops.ones_like(state.weight_sum))
-    # A variable no micro-batch of the window gave a gradient gets none, as
-    # in the large batch (only an eager step can leave one out).
-    present = accumulation.has_gradient or [True] * len(trainable)
-    gradients = [
-        None if not used else ops.cast(total, value.dtype) if overwrite
-        else ops.cast(
-            arithmetic.divide_no_nan(ops.cast(total, "float32"),
-                                     total_weight, KERAS_OPS),
-            value.dtype)
-        for total, value, overwrite, used in zip(
-            state.gradient_sums, trainable, accumulation.overwrite, present)
-    ]
+    config = accumulation.window_config()
+    gradients = core_window.mean_gradients(
+        config, state, [value.dtype for value in trainable], KERAS_OPS)
 
-    def finite():
-        return ops.all(ops.stack(
-            [ops.all(ops.isfinite(s)) for s in state.gradient_sums]
-            or [ops.convert_to_tensor(True)]))
-
-    def measured(state, applied):
-        """`state` with the window's noise estimates added to the epoch's
-        where it was `applied` (a skipped window is not measured)."""
-        if not accumulation.settings.measure_noise_scale:
-            return state
-        summed_norm = sum(
-            (ops.sum(ops.square(ops.cast(s, "float32")))
-             for s, overwrite in zip(state.gradient_sums,
-                                     accumulation.overwrite)
-             if not overwrite), ops.convert_to_tensor(0.0))
-        trace, signal = arithmetic.noise_estimates(
-            state.noise_squared_norm_sum, summed_norm, state.noise_weight_sum,
-            state.noise_micro_batches, KERAS_OPS)
-        counts = ops.logical_and(
-            applied, ops.logical_and(state.noise_micro_batches >= 2.0,
-                                     state.noise_measurable > 0.0))
-        return state._replace(
-            noise_trace_sum=state.noise_trace_sum + ops.where(counts, trace,
-                                                              0.0),
-            noise_signal_sum=state.noise_signal_sum + ops.where(
-                counts, signal, 0.0),
-            noise_estimates=state.noise_estimates + ops.where(counts, 1.0,
-                                                              0.0))
+    def apply(gradients):
+        with learning_rate.scaled_by(scaling.optimizer,
+                                     state.learning_rate_scale):
+            return scaling.optimizer.stateless_apply(
+                optimizer_values, gradients, trainable)
 
     if scaling.active:
         scale = optimizer_values[scaling.scale_index()]
-        flagged = [ops.max(ops.abs(ops.cast(s, "float32")))
-                   for s, flag in zip(state.gradient_sums,
-                                      accumulation.float16_flags) if flag]
-        largest = (ops.max(ops.stack(flagged)) if flagged
-                   else ops.convert_to_tensor(0.0))
-        fits = ops.logical_and(finite(), arithmetic.fits_float16(
-            largest, scale, total_weight))
+        fits = core_window.is_finite(state, KERAS_OPS) & (
+            core_window.fits_float16(config, state, scale, KERAS_OPS))
         # Keras's own LossScaleOptimizer unscales, checks, applies or
         # skips, and moves the scale, as after one large batch.
         # (Keras never scales what it overwrites with the "gradient".)
-        scaled = [g if overwrite or g is None
-                  else ops.where(fits, g * ops.cast(scale, g.dtype),
-                                 float("inf"))
-                  for g, overwrite in zip(gradients, accumulation.overwrite)]
-        with learning_rate.scaled_by(scaling.optimizer,
-                                     state.learning_rate_scale):
-            trainable, optimizer_values = scaling.optimizer.stateless_apply(
-                optimizer_values, scaled, trainable)
-        state = _reset(measured(state, fits))
+        trainable, optimizer_values = apply([
+            g if overwrite or g is None
+            else ops.where(fits, g * ops.cast(scale, g.dtype), float("inf"))
+            for g, overwrite in zip(gradients, config.overwrite)])
+        state = core_window.reset(
+            core_window.measured(config, state, fits, KERAS_OPS), KERAS_OPS)
         return list(trainable), list(optimizer_values), state._replace(
             skipped_windows=state.skipped_windows
             + ops.cast(ops.logical_not(fits), state.skipped_windows.dtype))
 
     def update(operands):
-        trainable, optimizer_values, state = operands
-        with learning_rate.scaled_by(scaling.optimizer,
-                                     state.learning_rate_scale):
-            trainable, optimizer_values = scaling.optimizer.stateless_apply(
-                optimizer_values, gradients, trainable)
+        trainable, optimizer_values = apply(gradients)
         return (list(trainable), list(optimizer_values),
-                _reset(measured(state, True)))
+                core_window.reset(core_window.measured(
+                    config, state, True, KERAS_OPS), KERAS_OPS))
 
     def skip(operands):
         trainable, optimizer_values, state = operands
-        state = _reset(state)
-        return trainable, optimizer_values, state._replace(
-            skipped_windows=state.skipped_windows + 1)
+        return trainable, optimizer_values, core_window.skipped(state,
+                                                                KERAS_OPS)
 
     if not accumulation.settings.may_overflow:
         return update(operands)
-    return ops.cond(finite(), lambda: update(operands),
-                    lambda: skip(operands))
+    return ops.cond(core_window.is_finite(state, KERAS_OPS),
+                    lambda: update(operands), lambda: skip(operands))
 
 
 class LossScaling(OptimizerDuties):

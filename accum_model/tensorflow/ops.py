@@ -14,6 +14,9 @@ TF_OPS = ArrayOps(
     where=tf.where, minimum=tf.minimum, maximum=tf.maximum,
     zeros_like=tf.zeros_like, ones_like=tf.ones_like, to_float32=_to_float32,
     divide_no_nan=tf.math.divide_no_nan,
+    sum=tf.reduce_sum, square=tf.square, abs=tf.abs, max=tf.reduce_max,
+    all=tf.reduce_all, isfinite=tf.math.is_finite, cast=tf.cast,
+    zeros=tf.zeros, dtype_name=lambda value: value.dtype.name,
 )
 
 TF_SHAPES = ShapeOps(

@@ -1,0 +1,319 @@
+"""The window as a value: its state and its transitions, written once.
+
+A *window* is the `n_gradients` consecutive micro-batches whose gradients
+make one optimizer update. Its state is a `WindowState`: the sum of each
+micro-batch's gradient times its *weight* (what Keras divided its loss by,
+see `divisor`), the sum of the weights, of the weighted losses and of the
+samples, its counters, the gradient noise scale's sums and the pooled
+moments of normalization layers. The promise lives here: dividing the
+gradient sums by the total weight gives the gradient of the loss of the
+concatenated micro-batches, the large batch's.
+
+Every function is pure: it takes the state, what it needs of a micro-batch
+and a `WindowConfig` settled when the window was built (or when its step
+was traced), and returns new values; none reads anything else. Array
+operations come through `ops`, the backend's `arithmetic.ArrayOps`
+(`numpy_ops.NUMPY_OPS` in the core's own tests). Each backend is a store
+that holds a state and runs these: JAX inside its jitted step, PyTorch
+eagerly, TensorFlow on its per-replica variables.
+"""
+
+import typing
+
+from accum_model.core import arithmetic
+
+
+class WindowState(typing.NamedTuple):
+    """The open window's values (a pytree of the backend's arrays)."""
+
+    # One per trainable variable: the sum of gradient times weight, or, for
+    # a variable Keras overwrites with its "gradient" (float8 statistics),
+    # the largest value of the window's micro-batches.
+    gradient_sums: list
+    weight_sum: typing.Any
+    loss_sum: typing.Any
+    sample_sum: typing.Any
+    micro_steps: typing.Any
+    # Micro steps left before the epoch ends; negative when unknown.
+    steps_left_in_epoch: typing.Any
+    length: typing.Any
+    next_length: typing.Any
+    skipped_windows: typing.Any
+    # The noise scale (zeros without `measure_noise_scale`): the window's
+    # sum of v |g_v|^2, of v, its micro-batches with v > 0, and 0.0 while
+    # its first micro-batches are missing from those sums (restored open);
+    # then the epoch's summed estimates of tr(Sigma), |G|^2 and their count.
+    noise_squared_norm_sum: typing.Any
+    noise_weight_sum: typing.Any
+    noise_micro_batches: typing.Any
+    noise_measurable: typing.Any
+    noise_trace_sum: typing.Any
+    noise_signal_sum: typing.Any
+    noise_estimates: typing.Any
+    # Normalization layers' pooled moments: per pooled layer, [3, channels]
+    # of element count, shifted sum and shifted sum of squares.
+    statistics_sums: list
+    # What the window end multiplies a window-scaled learning-rate schedule
+    # by (1.0 without one).
+    learning_rate_scale: typing.Any
+
+
+class WindowConfig(typing.NamedTuple):
+    """What a window's transitions need to know of its set-up.
+
+    Args:
+        overwrite: Tuple of bools, one per trainable variable: whether
+            Keras overwrites it with its "gradient" (the window keeps the
+            largest value instead of a sum).
+        divide_by_weight: Bool. False when every loss term is a sum: the
+            window is then the sum of its micro-batches, not their mean.
+        measure_noise_scale: Bool. Whether the noise-scale sums move.
+        has_gradient: Tuple of bools, one per variable: whether a
+            micro-batch of the window gave it a gradient; None where every
+            variable always has one (a traced step's never miss).
+        float16: Tuple of bools, one per variable: whether the large
+            batch's gradient of it is float16, whose scaled sum overflows
+            where float16 does; empty where none is.
+    """
+
+    overwrite: tuple
+    divide_by_weight: bool = True
+    measure_noise_scale: bool = False
+    has_gradient: typing.Optional[tuple] = None
+    float16: tuple = ()
+
+
+# The counters a new window starts from; the float ones are float32.
+_FLOAT_ZEROS = ("weight_sum", "loss_sum", "sample_sum",
+                "noise_squared_norm_sum", "noise_weight_sum",
+                "noise_micro_batches")
+
+
+def empty_state(shapes, accumulator_dtype, overwrite, length, ops,
+                steps_left_in_epoch=-1, skipped_windows=0,
+                statistics_sums=(), learning_rate_scale=1.0):
+    """A window with nothing in it.
+
+    Args:
+        shapes: One shape per trainable variable.
+        accumulator_dtype: Str. What gradients are summed in (float32 for a
+            variable in `overwrite`).
+        overwrite: Bools, one per variable (see `WindowConfig`).
+        length: Int. Micro steps in the window.
+        ops: The backend's `ArrayOps`.
+        steps_left_in_epoch: Int. Negative when unknown.
+        skipped_windows: Int. Windows skipped so far.
+        statistics_sums: The pooled layers' empty sums.
+        learning_rate_scale: Float.
+    """
+
+    def scalar(value, dtype="float32"):
+        return ops.cast(value, dtype)
+
+    return WindowState(
+        gradient_sums=[
+            ops.zeros(tuple(shape),
+                      "float32" if kept else accumulator_dtype)
+            for shape, kept in zip(shapes, overwrite)],
+        **{name: scalar(0.0) for name in _FLOAT_ZEROS},
+        micro_steps=scalar(0, "int32"),
+        steps_left_in_epoch=scalar(steps_left_in_epoch, "int32"),
+        length=scalar(length, "int32"),
+        next_length=scalar(length, "int32"),
+        skipped_windows=scalar(skipped_windows, "int32"),
+        noise_measurable=scalar(1.0),
+        noise_trace_sum=scalar(0.0), noise_signal_sum=scalar(0.0),
+        noise_estimates=scalar(0.0),
+        statistics_sums=list(statistics_sums),
+        learning_rate_scale=scalar(learning_rate_scale),
+    )
+
+
+def added(config, state, gradients, weight, loss, samples, ops):
+    """The window with one more micro-batch in it.
+
+    Args:
+        config: The `WindowConfig`.
+        state: The `WindowState`.
+        gradients: One gradient per variable (zeros where it had none), of
+            the micro-batch's loss, a mean over `weight` elements.
+        weight: Float32 scalar, what Keras divided the loss by.
+        loss: Scalar, the micro-batch's loss.
+        samples: Float32 scalar, its samples.
+        ops: The backend's `ArrayOps`.
+    """
+    wide = "float64" if any(ops.dtype_name(s) == "float64"
+                            for s in state.gradient_sums) else "float32"
+    first = state.micro_steps == 0
+    gradient_sums = [
+        ops.where(first, ops.cast(g, "float32"),
+                  ops.maximum(total, ops.cast(g, "float32")))
+        if kept else
+        total + ops.cast(ops.cast(g, wide) * ops.cast(weight, wide),
+                         ops.dtype_name(total))
+        for total, g, kept in zip(state.gradient_sums, gradients,
+                                  config.overwrite)]
+    return state._replace(
+        gradient_sums=gradient_sums,
+        weight_sum=state.weight_sum + weight,
+        loss_sum=state.loss_sum + arithmetic.weighted_loss(
+            ops.cast(loss, "float32"), weight, ops),
+        sample_sum=state.sample_sum + samples,
+        micro_steps=state.micro_steps + 1,
+        steps_left_in_epoch=state.steps_left_in_epoch - 1,
+        **_noise_terms(config, state, gradients, weight, samples, ops),
+    )
+
+
+def _noise_terms(config, state, gradients, weight, samples, ops):
+    """The window's noise sums with a micro-batch in; none when the noise
+    scale is not measured."""
+    if not config.measure_noise_scale:
+        return {}
+    squared_norm = squared_norm_of(
+        [g for g, kept in zip(gradients, config.overwrite) if not kept], ops)
+    size = weight if config.divide_by_weight else samples
+    return {
+        "noise_squared_norm_sum": state.noise_squared_norm_sum
+        + arithmetic.noise_micro_batch_term(weight, squared_norm, size, ops),
+        "noise_weight_sum": state.noise_weight_sum + size,
+        "noise_micro_batches": state.noise_micro_batches
+        + ops.where(size > 0, 1.0, 0.0),
+    }
+
+
+def squared_norm_of(arrays, ops):
+    """Float32: the sum of the squares of every element of `arrays`."""
+    total = ops.cast(0.0, "float32")
+    for array in arrays:
+        total = total + ops.sum(ops.square(ops.cast(array, "float32")))
+    return total
+
+
+def ends(state):
+    """Whether the window ends with the micro-batch just added: it is full,
+    or its epoch has no micro step left."""
+    return (state.micro_steps >= state.length) | (
+        state.steps_left_in_epoch == 0)
+
+
+def total_weight(config, state, ops):
+    """What the window's gradient sums are divided by: its weight, or 1
+    for losses that are sums."""
+    if config.divide_by_weight:
+        return state.weight_sum
+    return ops.ones_like(state.weight_sum)
+
+
+def loss(config, state, ops):
+    """The window's loss: the large batch's (a "sum" loss is the sum)."""
+    return arithmetic.window_loss(state.loss_sum, state.weight_sum,
+                                  config.divide_by_weight, ops)
+
+
+def mean_gradients(config, state, dtypes, ops):
+    """The window's gradient: the large batch's.
+
+    One entry per variable, in the variable's dtype (`dtypes`): the gradient
+    sum over the window's weight (a window of weight 0, every element
+    masked, has a zero gradient, as Keras's `divide_no_nan` gives the large
+    batch), the largest value for a variable Keras overwrites, and None for
+    a variable no micro-batch of the window reached (as in the large
+    batch).
+    """
+    weight = total_weight(config, state, ops)
+    present = config.has_gradient or (True,) * len(state.gradient_sums)
+    return [
+        None if not used
+        else ops.cast(total, dtype) if kept
+        else ops.cast(arithmetic.divide_no_nan(
+            ops.cast(total, "float32"), weight, ops), dtype)
+        for total, dtype, kept, used in zip(
+            state.gradient_sums, dtypes, config.overwrite, present)]
+
+
+def is_finite(state, ops):
+    """Bool: whether every gradient sum is finite."""
+    verdict = ops.cast(True, "bool")
+    for total in state.gradient_sums:
+        verdict = verdict & ops.all(ops.isfinite(total))
+    return verdict
+
+
+def fits_float16(config, state, loss_scale, ops):
+    """Bool: whether the large batch's scaled float16 gradients stay in
+    float16's range (see `arithmetic.fits_float16`); True where no
+    variable's large-batch gradient is float16."""
+    flagged = [total for total, flag in zip(state.gradient_sums,
+                                             config.float16) if flag]
+    if not flagged:
+        return ops.cast(True, "bool")
+    largest = ops.cast(0.0, "float32")
+    for total in flagged:
+        largest = ops.maximum(largest,
+                              ops.max(ops.abs(ops.cast(total, "float32"))))
+    return arithmetic.fits_float16(largest, loss_scale,
+                                   total_weight(config, state, ops))
+
+
+def measured(config, state, applied, ops):
+    """The state with the window's noise estimates added to its epoch's
+    where it was `applied` (a skipped window is not measured) and it holds
+    two or more micro-batches, all of them in its sums."""
+    if not config.measure_noise_scale:
+        return state
+    summed_norm = squared_norm_of(
+        [s for s, kept in zip(state.gradient_sums, config.overwrite)
+         if not kept], ops)
+    trace, signal = arithmetic.noise_estimates(
+        state.noise_squared_norm_sum, summed_norm, state.noise_weight_sum,
+        state.noise_micro_batches, ops)
+    counts = applied & (state.noise_micro_batches >= 2.0) & (
+        state.noise_measurable > 0.0)
+    return state._replace(
+        noise_trace_sum=state.noise_trace_sum + ops.where(counts, trace, 0.0),
+        noise_signal_sum=state.noise_signal_sum + ops.where(counts, signal,
+                                                            0.0),
+        noise_estimates=state.noise_estimates + ops.where(counts, 1.0, 0.0))
+
+
+def reset(state, ops):
+    """An empty window after `state`'s: it takes the next window's length,
+    and keeps the epoch's counts and estimates."""
+    return state._replace(
+        gradient_sums=[ops.zeros_like(s) for s in state.gradient_sums],
+        **{name: ops.zeros_like(getattr(state, name))
+           for name in _FLOAT_ZEROS},
+        micro_steps=ops.zeros_like(state.micro_steps),
+        length=state.next_length,
+        noise_measurable=ops.ones_like(state.noise_measurable),
+        statistics_sums=[ops.zeros_like(s) for s in state.statistics_sums],
+    )
+
+
+def skipped(state, ops):
+    """An empty window after one skipped for overflow."""
+    state = reset(state, ops)
+    return state._replace(skipped_windows=state.skipped_windows + 1)
+
+
+def with_epoch(state, steps_left_in_epoch, ops, new_epoch=True):
+    """The window as an epoch of `steps_left_in_epoch` micro steps (or -1,
+    unknown) begins: a new epoch's noise scale is its own."""
+    state = state._replace(
+        steps_left_in_epoch=ops.cast(steps_left_in_epoch, "int32"))
+    if not new_epoch:
+        return state
+    return state._replace(**{
+        name: ops.zeros_like(getattr(state, name))
+        for name in ("noise_trace_sum", "noise_signal_sum",
+                     "noise_estimates")})
+
+
+def with_length(state, length, ops):
+    """The window with `length` from its next boundary on: an empty window
+    takes it at once, an open one keeps its own."""
+    length = ops.cast(length, "int32")
+    return state._replace(
+        next_length=length,
+        length=ops.where(state.micro_steps == 0, length, state.length))

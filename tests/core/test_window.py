@@ -1,0 +1,329 @@
+"""The window's transitions (`core.window`) on NumPy, against hand
+computations: what moves when, weights and divisors, short and empty
+micro-batches, overflow verdicts, noise estimates, pooled moments and the
+file layout."""
+
+import numpy as np
+import pytest
+
+from accum_model.core import arithmetic
+from accum_model.core import checkpoint_layout as layout
+from accum_model.core import window
+from accum_model.core.numpy_ops import NUMPY_OPS as OPS
+
+SHAPES = [(3, 2), (2,)]
+
+
+def _state(length=4, dtype="float32", overwrite=(False, False), **kwargs):
+    return window.empty_state(SHAPES, dtype, overwrite, length, OPS,
+                              **kwargs)
+
+
+def _config(**kwargs):
+    return window.WindowConfig(overwrite=(False, False), **kwargs)
+
+
+def _gradients(seed):
+    rng = np.random.default_rng(seed)
+    return [rng.normal(size=shape).astype("float32") for shape in SHAPES]
+
+
+def _add(state, seed, weight, loss=1.0, samples=None, config=None):
+    return window.added(config or _config(), state, _gradients(seed),
+                        np.float32(weight), np.float32(loss),
+                        np.float32(weight if samples is None else samples),
+                        OPS)
+
+
+def _mean(config, state):
+    return window.mean_gradients(config, state, ["float32"] * len(SHAPES),
+                                 OPS)
+
+
+def _linear_gradient(w, x, y):
+    """The gradient of mean((x @ w - y)^2) in w: a micro-batch's mean loss."""
+    return 2.0 * x.T @ (x @ w - y) / len(x)
+
+
+# What moves when -------------------------------------------------------------
+
+def test_an_empty_window_holds_zeros_of_its_dtypes():
+    state = _state(dtype="float64", overwrite=(True, False))
+    assert [s.dtype.name for s in state.gradient_sums] == ["float32",
+                                                           "float64"]
+    assert [s.shape for s in state.gradient_sums] == SHAPES
+    assert int(state.micro_steps) == 0 and int(state.length) == 4
+    assert float(state.weight_sum) == 0.0
+
+
+def test_a_window_ends_at_its_length_and_not_before():
+    state = _state(length=3)
+    endings = []
+    for step in range(3):
+        state = _add(state, step, 8.0)
+        endings.append(bool(window.ends(state)))
+    assert endings == [False, False, True]
+    assert int(state.micro_steps) == 3
+
+
+def test_the_end_of_an_epoch_ends_a_short_window():
+    state = window.with_epoch(_state(length=4), 2, OPS)
+    state = _add(state, 0, 8.0)
+    assert not window.ends(state)
+    state = _add(state, 1, 8.0)
+    assert window.ends(state) and int(state.micro_steps) == 2
+
+
+def test_unknown_epoch_length_never_ends_a_window_early():
+    state = window.with_epoch(_state(length=2), -1, OPS)
+    state = _add(state, 0, 8.0)
+    assert not window.ends(state)
+    assert int(state.steps_left_in_epoch) == -2
+
+
+# The promise: weights and divisors -----------------------------------------
+
+def test_micro_batches_weighted_by_size_give_the_large_batch_gradient():
+    # A linear least-squares model: micro-batches of 5, 5 and a short 2.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(12, 3))
+    y = rng.normal(size=(12, 2))
+    w = rng.normal(size=(3, 2))
+    config = window.WindowConfig(overwrite=(False,))
+    state = window.empty_state([(3, 2)], "float64", (False,), 3, OPS)
+    for start, stop in ((0, 5), (5, 10), (10, 12)):
+        gradient = _linear_gradient(w, x[start:stop], y[start:stop])
+        state = window.added(config, state, [gradient],
+                             np.float32(stop - start), np.float32(0.0),
+                             np.float32(stop - start), OPS)
+    (mean,) = window.mean_gradients(config, state, ["float64"], OPS)
+    np.testing.assert_allclose(mean, _linear_gradient(w, x, y), rtol=1e-6)
+
+
+def test_equal_weights_would_not_be_the_large_batch():
+    # The same micro-batches averaged with equal weight (Keras's own
+    # gradient_accumulation_steps) miss the large batch by far more than
+    # rounding: the test above could fail.
+    rng = np.random.default_rng(0)
+    x, y, w = (rng.normal(size=(12, 3)), rng.normal(size=(12, 2)),
+               rng.normal(size=(3, 2)))
+    equal = np.mean([_linear_gradient(w, x[a:b], y[a:b])
+                     for a, b in ((0, 5), (5, 10), (10, 12))], axis=0)
+    assert np.abs(equal - _linear_gradient(w, x, y)).max() > 1e-2
+
+
+def test_a_sum_loss_window_is_the_sum_of_its_micro_batches():
+    config = _config(divide_by_weight=False)
+    state = _add(_add(_state(), 0, 1.0, config=config), 1, 1.0,
+                 config=config)
+    expected = [a + b for a, b in zip(_gradients(0), _gradients(1))]
+    for got, want in zip(_mean(config, state), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_a_window_of_weight_zero_has_a_zero_gradient_and_loss():
+    # Every element masked: Keras's divide_no_nan gives the large batch a
+    # zero gradient and a zero loss; a micro-batch's own 0/0 loss adds 0.
+    state = _add(_add(_state(), 0, 0.0, loss=np.nan), 1, 0.0, loss=np.nan)
+    for mean in _mean(_config(), state):
+        assert np.all(mean == 0.0)
+    assert float(window.loss(_config(), state, OPS)) == 0.0
+
+
+def test_the_window_loss_is_the_weighted_mean_of_its_micro_batches():
+    state = _add(_add(_state(), 0, 2.0, loss=1.0), 1, 6.0, loss=3.0)
+    assert float(window.loss(_config(), state, OPS)) == pytest.approx(2.5)
+    summed = window.loss(_config(divide_by_weight=False),
+                         _add(_add(_state(), 0, 1.0, loss=1.0), 1, 1.0,
+                              loss=3.0), OPS)
+    assert float(summed) == pytest.approx(4.0)
+
+
+def test_variables_keras_overwrites_keep_the_largest_value():
+    config = window.WindowConfig(overwrite=(True, False))
+    state = _state(overwrite=(True, False))
+    state = window.added(config, state, [np.full((3, 2), -5.0, "float32"),
+                                         np.ones(2, "float32")],
+                         np.float32(4.0), np.float32(0.0), np.float32(4.0),
+                         OPS)
+    # The first micro-batch's value is taken even below zero.
+    assert np.all(state.gradient_sums[0] == -5.0)
+    state = window.added(config, state, [np.full((3, 2), -7.0, "float32"),
+                                         np.ones(2, "float32")],
+                         np.float32(4.0), np.float32(0.0), np.float32(4.0),
+                         OPS)
+    assert np.all(state.gradient_sums[0] == -5.0)
+    kept, summed = _mean(config, state)
+    assert np.all(kept == -5.0) and np.allclose(summed, 1.0)
+
+
+def test_a_variable_no_micro_batch_reached_gets_no_gradient():
+    config = _config(has_gradient=(True, False))
+    kept, missing = _mean(config, _add(_state(), 0, 3.0, config=config))
+    assert missing is None and kept is not None
+
+
+def test_float64_accumulators_sum_in_float64():
+    state = _state(dtype="float64")
+    tiny = [np.full(shape, 1e-9, "float32") for shape in SHAPES]
+    big = [np.full(shape, 1.0, "float32") for shape in SHAPES]
+    for gradients in (big, tiny):
+        state = window.added(_config(), state, gradients, np.float32(1.0),
+                             np.float32(0.0), np.float32(1.0), OPS)
+    assert state.gradient_sums[0].dtype == np.float64
+    # 1 + 1e-9 is 1 in float32.
+    assert state.gradient_sums[0][0, 0] > 1.0
+
+
+def test_narrow_accumulators_round_each_product():
+    state = _state(dtype="float16")
+    state = _add(state, 0, 3.0)
+    assert state.gradient_sums[1].dtype == np.float16
+    np.testing.assert_array_equal(
+        state.gradient_sums[1],
+        (_gradients(0)[1] * np.float32(3.0)).astype("float16"))
+
+
+# Reset, skip, lengths and epochs --------------------------------------------
+
+def test_a_reset_empties_the_window_and_keeps_the_epochs_counts():
+    config = _config(measure_noise_scale=True)
+    state = window.with_length(_state(length=2), 3, OPS)
+    state = _add(_add(state, 0, 4.0, config=config), 1, 2.0, config=config)
+    state = window.measured(config, state, True, OPS)
+    state = state._replace(skipped_windows=np.int32(2))
+    emptied = window.reset(state, OPS)
+    assert all(np.all(s == 0) for s in emptied.gradient_sums)
+    assert int(emptied.micro_steps) == 0 and float(emptied.weight_sum) == 0
+    assert int(emptied.length) == 3          # the next window's length
+    assert int(emptied.skipped_windows) == 2
+    assert float(emptied.noise_estimates) == 1.0
+    assert float(emptied.noise_weight_sum) == 0.0
+
+
+def test_a_skipped_window_is_counted_and_emptied():
+    state = window.skipped(_add(_state(), 0, 4.0), OPS)
+    assert int(state.skipped_windows) == 1 and int(state.micro_steps) == 0
+
+
+def test_an_open_window_keeps_its_length_until_its_end():
+    state = _add(_state(length=4), 0, 1.0)
+    state = window.with_length(state, 2, OPS)
+    assert int(state.length) == 4 and int(state.next_length) == 2
+    assert int(window.reset(state, OPS).length) == 2
+    assert int(window.with_length(_state(length=4), 2, OPS).length) == 2
+
+
+def test_a_new_epoch_forgets_the_last_epochs_noise_estimates():
+    state = _state()._replace(noise_trace_sum=np.float32(3.0),
+                              noise_estimates=np.float32(1.0))
+    assert float(window.with_epoch(state, 5, OPS).noise_estimates) == 0.0
+    kept = window.with_epoch(state, 5, OPS, new_epoch=False)
+    assert float(kept.noise_estimates) == 1.0
+    assert int(kept.steps_left_in_epoch) == 5
+
+
+# Overflow verdicts ----------------------------------------------------------
+
+def test_a_non_finite_sum_is_seen():
+    state = _add(_state(), 0, 1.0)
+    assert window.is_finite(state, OPS)
+    broken = state._replace(gradient_sums=[
+        state.gradient_sums[0], np.array([1.0, np.inf], "float32")])
+    assert not window.is_finite(broken, OPS)
+
+
+@pytest.mark.parametrize("largest, fits", [(1000.0, True), (70000.0, False)])
+def test_the_float16_verdict_is_the_large_batchs(largest, fits):
+    # The large batch's float16 gradient: the sum times the scale over the
+    # window's weight, against float16's largest value rounded up.
+    config = _config(float16=(False, True))
+    state = _state()._replace(
+        gradient_sums=[np.zeros((3, 2), "float32"),
+                       np.array([largest * 8.0, 1.0], "float32")],
+        weight_sum=np.float32(8.0))
+    assert bool(window.fits_float16(config, state, np.float32(1.0),
+                                    OPS)) is fits
+    # Only the flagged variables count.
+    assert window.fits_float16(_config(), state, np.float32(1.0), OPS)
+
+
+# The noise scale --------------------------------------------------------------
+
+def test_noise_estimates_are_the_hand_computed_ones():
+    # McCandlish et al.: with micro-batch mean gradients g_v of weights v,
+    # A = sum v |g_v|^2, W = sum v, S = |sum v g_v|^2 / W: tr(Sigma) =
+    # (A - S) / (m - 1) and |G|^2 = (S - A/m) m / (W (m - 1)).
+    config = _config(measure_noise_scale=True)
+    weights = [2.0, 3.0, 5.0]
+    state = _state(length=3)
+    for seed, weight in enumerate(weights):
+        state = _add(state, seed, weight, config=config)
+    state = window.measured(config, state, True, OPS)
+    flat = [np.concatenate([g.ravel() for g in _gradients(seed)]).astype(
+        "float64") for seed in range(3)]
+    a = sum(v * (g @ g) for v, g in zip(weights, flat))
+    total = sum(v * g for v, g in zip(weights, flat))
+    w, m = sum(weights), 3.0
+    s = (total @ total) / w
+    np.testing.assert_allclose(float(state.noise_trace_sum),
+                               (a - s) / (m - 1), rtol=1e-5)
+    np.testing.assert_allclose(float(state.noise_signal_sum),
+                               (s - a / m) * m / (w * (m - 1)), rtol=1e-5)
+    assert float(state.noise_estimates) == 1.0
+
+
+@pytest.mark.parametrize("case", ["skipped", "one_micro_batch",
+                                  "restored_open", "not_measured"])
+def test_windows_that_say_nothing_of_the_noise_are_not_counted(case):
+    config = _config(measure_noise_scale=case != "not_measured")
+    state = _state()
+    if case == "restored_open":
+        state = state._replace(noise_measurable=np.float32(0.0))
+    for seed in range(1 if case == "one_micro_batch" else 2):
+        state = _add(state, seed, 4.0, config=config)
+    state = window.measured(config, state, case != "skipped", OPS)
+    assert float(state.noise_estimates) == 0.0
+
+
+# Pooled moments of normalization layers ---------------------------------
+
+def test_pooled_moments_move_statistics_as_the_large_batch():
+    # Micro-batches of 3, 5 and 2 elements; the layer's own update from the
+    # large batch's mean and biased variance, shifted by the moving mean.
+    rng = np.random.default_rng(1)
+    data = rng.normal(3.0, 2.0, size=(10, 4)).astype("float64")
+    shift = np.full(4, 2.5)
+    sums = np.zeros((3, 4))
+    for start, stop in ((0, 3), (3, 8), (8, 10)):
+        part = data[start:stop]
+        sums += np.stack(arithmetic.statistics_terms(
+            np.full(4, float(len(part))), part.mean(0), part.var(0), shift,
+            OPS))
+    moving_mean, moving_variance = arithmetic.pooled_moving_statistics(
+        sums[0], sums[1], sums[2], shift, shift, np.ones(4), 0.9, OPS)
+    np.testing.assert_allclose(moving_mean, 0.9 * shift + 0.1 * data.mean(0),
+                               rtol=1e-12)
+    np.testing.assert_allclose(moving_variance, 0.9 + 0.1 * data.var(0),
+                               rtol=1e-12)
+
+
+# The file layout ---------------------------------------------------------------
+
+def test_an_open_window_round_trips_through_the_file_layout():
+    state = _add(_add(_state(), 0, 3.0), 1, 5.0)
+    counters = {name: float(getattr(state, name)) for name in layout.COUNTERS}
+    saved = layout.saved_state(state.gradient_sums, [True, True], counters)
+    arrays = layout.read(saved)
+    gradients, has_gradient, restored = layout.window_to_write(
+        arrays, [6, 2], 0.0)
+    for got, want in zip(gradients, state.gradient_sums):
+        np.testing.assert_array_equal(got, want.ravel())
+    assert has_gradient == [True, True] and restored == counters
+
+
+def test_a_file_for_other_weights_is_refused():
+    saved = layout.saved_state([np.zeros(3, "float32")], [True],
+                               {name: 0.0 for name in layout.COUNTERS})
+    with pytest.raises(ValueError, match="sizes"):
+        layout.window_to_write(layout.read(saved), [6, 2], 0.0)
