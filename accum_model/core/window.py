@@ -297,6 +297,15 @@ def skipped(state, ops):
     return state._replace(skipped_windows=state.skipped_windows + 1)
 
 
+def closed(config, state, applied, ops):
+    """An empty window after `state`'s, decided in the traced step: an
+    `applied` window (a bool) is measured, one skipped for overflow is
+    counted."""
+    state = reset(measured(config, state, applied, ops), ops)
+    return state._replace(skipped_windows=state.skipped_windows + ops.cast(
+        ops.where(applied, 0, 1), "int32"))
+
+
 def with_epoch(state, steps_left_in_epoch, ops, new_epoch=True):
     """The window as an epoch of `steps_left_in_epoch` micro steps (or -1,
     unknown) begins: a new epoch's noise scale is its own."""

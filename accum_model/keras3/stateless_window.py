@@ -363,11 +363,8 @@ def end_window(accumulation, operands):
             g if overwrite or g is None
             else ops.where(fits, g * ops.cast(scale, g.dtype), float("inf"))
             for g, overwrite in zip(gradients, config.overwrite)])
-        state = core_window.reset(
-            core_window.measured(config, state, fits, KERAS_OPS), KERAS_OPS)
-        return list(trainable), list(optimizer_values), state._replace(
-            skipped_windows=state.skipped_windows
-            + ops.cast(ops.logical_not(fits), state.skipped_windows.dtype))
+        return list(trainable), list(optimizer_values), core_window.closed(
+            config, state, fits, KERAS_OPS)
 
     def update(operands):
         trainable, optimizer_values = apply(gradients)

@@ -206,6 +206,23 @@ def test_a_skipped_window_is_counted_and_emptied():
     assert int(state.skipped_windows) == 1 and int(state.micro_steps) == 0
 
 
+@pytest.mark.parametrize("applied", [True, False])
+def test_a_window_closed_in_the_step_is_measured_or_counted(applied):
+    config = _config(measure_noise_scale=True)
+    state = _add(_add(_state(), 0, 4.0, config=config), 1, 2.0,
+                 config=config)
+    closed = window.closed(config, state, np.asarray(applied), OPS)
+    expected = (window.reset(window.measured(config, state, True, OPS), OPS)
+                if applied else window.skipped(state, OPS))
+    for name, value in expected._asdict().items():
+        pairs = (zip(getattr(closed, name), value) if isinstance(value, list)
+                 else [(getattr(closed, name), value)])
+        for got, want in pairs:
+            np.testing.assert_array_equal(got, want, name)
+    assert int(closed.skipped_windows) == (0 if applied else 1)
+    assert float(closed.noise_estimates) == (1.0 if applied else 0.0)
+
+
 def test_an_open_window_keeps_its_length_until_its_end():
     state = _add(_state(length=4), 0, 1.0)
     state = window.with_length(state, 2, OPS)
