@@ -1,22 +1,25 @@
-"""Chooses the adapter for the Keras this process trains with, once.
+"""Chooses the adapter for the Keras and backend this process trains with.
 
-`adapter` is `accum_model.keras3` or `accum_model.keras2`: the two packages
-offer the same names (`__all__`), and everything above this module is
-written once against them. This is the only module that imports an
-adapter, so a Keras 2 process never imports Keras 3. `keras` is the Keras
-package whose `Model` `tf.keras.Model` is.
+`adapter` is the one `accum_model.core.adapter.Adapter` the layers above
+are written against, picked once as Keras picks its trainer. This is the
+only module that imports an adapter, so a Keras 2 process never imports
+Keras 3, nor a JAX process PyTorch. `keras` is the Keras package whose
+`Model` `tf.keras.Model` is.
 """
 
 from accum_model._stack import check_stack
 
-KERAS_MAJOR = check_stack()
+KERAS_MAJOR, BACKEND = check_stack()
 
-# Only the chosen adapter is loaded: each imports its own Keras at the top.
 if KERAS_MAJOR == 2:
-    from accum_model import keras2 as adapter
+    from accum_model.keras2.adapter import Keras2Adapter as Adapter
+elif BACKEND == "jax":
+    from accum_model.keras3.jax_training import JaxAdapter as Adapter
+elif BACKEND == "torch":
+    from accum_model.keras3.torch_training import TorchAdapter as Adapter
 else:
-    from accum_model import keras3 as adapter
+    from accum_model.keras3.tensorflow_training import (
+        TensorFlowAdapter as Adapter)
 
+adapter = Adapter()
 keras = adapter.keras
-
-__all__ = ["KERAS_MAJOR", "adapter", "keras"]

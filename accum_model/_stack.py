@@ -25,9 +25,10 @@ def legacy_keras_requested():
 
 
 def check_stack():
-    """Returns 2 or 3, the Keras behind `tf.keras`, or raises ImportError."""
+    """Returns the Keras behind `tf.keras` (2 or 3) and its backend, or
+    raises ImportError."""
     if legacy_keras_requested():
-        return _check_tf_keras()
+        return _check_tf_keras(), "tensorflow"
     if importlib.util.find_spec("keras") is None:
         raise ImportError(
             "accum_model needs Keras, and keras is not installed. Fix: pip "
@@ -43,7 +44,7 @@ def check_stack():
                 "Fix: pip install 'tensorflow>=2.13,<2.16', or Keras 3: pip "
                 "install 'keras>=3.6' 'tensorflow>=2.16'"
             )
-        return 2
+        return 2, "tensorflow"
     if major_minor is None or major_minor < KERAS_FLOOR:
         raise ImportError(
             f"accum_model needs Keras 3.6 or newer (or Keras 2.13-2.15); "
@@ -59,7 +60,7 @@ def check_stack():
             "install tensorflow), KERAS_BACKEND=jax (and pip install jax) "
             "or KERAS_BACKEND=torch (and pip install torch)"
         )
-    return 3
+    return 3, backend
 
 
 def _check_tf_keras():

@@ -5,6 +5,9 @@ downward, with no circle.
     Keras)  <  keras3 / keras2 adapters  <  _chooser  <  the model (no
     backend)
 
+The model layer asks one `Adapter` (core/adapter.py); each Keras and
+backend's subclass answers all of it.
+
 Read with `ast`, so these tests need neither TensorFlow, JAX nor Keras.
 """
 
@@ -204,53 +207,67 @@ def test_no_import_circle():
         visit(module)
 
 
-def _all_of(module):
-    tree = ast.parse(MODULES[module].read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(
-            getattr(target, "id", None) == "__all__" for target in node.targets
-        ):
-            return ast.literal_eval(node.value)
-    return None
-
-
-def _top_level_names(module):
-    """Names a module defines at its top level, in both arms of a top-level
-    `if` too (an adapter picks its backend's modules so)."""
-    tree = ast.parse(MODULES[module].read_text())
-    names = set()
-    body = list(tree.body)
-    for node in tree.body:
-        if isinstance(node, ast.If):
-            body += node.body + node.orelse
-    for node in body:
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
-        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, ast.Assign):
-            names |= {getattr(t, "id", None) for t in node.targets}
-    return names
-
-
-def test_adapters_offer_the_same_names():
-    offered = [_all_of(adapter) for adapter in ADAPTERS]
-    assert None not in offered
-    for names in offered[1:]:
-        assert sorted(names) == sorted(offered[0])
-    for adapter in ADAPTERS:
-        missing = set(_all_of(adapter)) - _top_level_names(adapter)
-        assert not missing, f"{adapter} lists {missing} without defining them"
-
-
-@pytest.mark.parametrize("adapter", ADAPTERS)
-def test_each_adapter_module_lists_what_it_offers(adapter):
-    offered = set(_all_of(adapter))
-    listed = set()
+def _classes():
+    """Every class the package defines: name -> [(module, base names,
+    names defined in its body)]."""
+    found = {}
     for module in MODULES:
-        if _within(module, adapter) and module != adapter:
-            listed |= set(_all_of(module) or [])
-    assert offered - {"keras"} == listed, (
-        f"{adapter}'s __all__ and its modules' differ: "
-        f"{sorted(offered.symmetric_difference(listed))}"
-    )
+        for node in ast.parse(MODULES[module].read_text()).body:
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases = [getattr(b, "id", getattr(b, "attr", None))
+                     for b in node.bases]
+            names = set()
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.ClassDef)):
+                    names.add(item.name)
+                elif isinstance(item, ast.Assign):
+                    names |= {getattr(t, "id", None) for t in item.targets}
+            found.setdefault(node.name, []).append((module, bases, names))
+    return found
+
+
+def test_no_class_name_is_defined_in_two_modules():
+    twice = {name: [module for module, _, _ in places]
+             for name, places in _classes().items() if len(places) > 1}
+    assert not twice, twice
+
+
+def _chosen_adapters():
+    """The adapter classes `_chooser` picks from."""
+    return sorted(alias.name
+                  for node in ast.walk(ast.parse(MODULES[CHOOSER].read_text()))
+                  if isinstance(node, ast.ImportFrom)
+                  for alias in node.names if alias.asname == "Adapter")
+
+
+def _asked_of(variable, modules):
+    """Attributes read from the name `variable` in `modules`."""
+    return {node.attr for module in modules
+            for node in ast.walk(ast.parse(MODULES[module].read_text()))
+            if isinstance(node, ast.Attribute)
+            and getattr(node.value, "id", None) == variable}
+
+
+def _offered_by(class_name):
+    classes = _classes()
+    offered, pending = set(), [class_name]
+    while pending:
+        for _, bases, names in classes.get(pending.pop(), []):
+            offered |= names
+            pending += bases
+    return offered
+
+
+def test_the_chooser_picks_one_adapter_per_keras_and_backend():
+    assert _chosen_adapters() == sorted(
+        ["JaxAdapter", "Keras2Adapter", "TensorFlowAdapter", "TorchAdapter"])
+
+
+@pytest.mark.parametrize("adapter_class", _chosen_adapters())
+def test_each_adapter_answers_what_the_layers_above_ask(adapter_class):
+    asked = _asked_of("adapter", [m for m in MODULES if _floor(m) >= 3])
+    if adapter_class in ("TensorFlowAdapter", "Keras2Adapter"):
+        asked |= _asked_of("details", ["accum_model.tensorflow.training"])
+    missing = asked - _offered_by(adapter_class)
+    assert not missing, f"{adapter_class} lacks {sorted(missing)}"

@@ -1,7 +1,7 @@
 """Keras 2's learning rate, as `WindowFromNoiseScale` moves it.
 
 A float learning rate is a variable: set as it stands. A
-`LearningRateSchedule` is wrapped once in `WindowScaledSchedule`, whose
+`LearningRateSchedule` is wrapped once in `Keras2WindowScaledSchedule`, whose
 scale is a TensorFlow variable that the optimizer reads where it
 evaluates the schedule, inside the compiled step. A legacy `OptimizerV2`
 keeps its learning rate among its hyperparameters (`_get_hyper` /
@@ -20,13 +20,10 @@ from accum_model.keras2.package import src
 _optimizer_v2 = src("optimizers.legacy.optimizer_v2")
 _Schedule = keras.optimizers.schedules.LearningRateSchedule
 
-# What the adapter offers; `WindowScaledSchedule` is found by its registered
-# name when a model is loaded.
-__all__ = ["learning_rate_of", "scalable_learning_rate"]
 
-
-@keras.utils.register_keras_serializable(package="accum_model")
-class WindowScaledSchedule(_Schedule):
+@keras.utils.register_keras_serializable(package="accum_model",
+                                         name="WindowScaledSchedule")
+class Keras2WindowScaledSchedule(_Schedule):
     """A learning-rate schedule times a scale that the window sets.
 
     Args:
@@ -82,7 +79,7 @@ def learning_rate_of(optimizer):
 def scalable_learning_rate(model):
     """What a window rule scales in `model`'s optimizer: an object with
     `value()` and `set(value)` for a float learning rate (the rate) or a
-    `LearningRateSchedule` (a scale on it, wrapped in `WindowScaledSchedule`
+    `LearningRateSchedule` (a scale on it, wrapped in `Keras2WindowScaledSchedule`
     here once), or None for a callable learning rate."""
     inner = _inner(model.optimizer)
     rate = _rate_of(inner)
@@ -90,8 +87,8 @@ def scalable_learning_rate(model):
         return FloatLearningRate(rate)
     if not isinstance(rate, _Schedule):
         return None
-    if not isinstance(rate, WindowScaledSchedule):
-        rate = WindowScaledSchedule(rate)
+    if not isinstance(rate, Keras2WindowScaledSchedule):
+        rate = Keras2WindowScaledSchedule(rate)
         if isinstance(inner, _optimizer_v2.OptimizerV2):
             inner._set_hyper("learning_rate", rate)
         else:

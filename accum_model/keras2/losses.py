@@ -24,11 +24,6 @@ _losses = src("losses")
 # Reductions whose batch loss is one number a window can reproduce.
 LOSS_REDUCTIONS = ("auto", "sum_over_batch_size", "sum")
 
-__all__ = ["LOSS_REDUCTIONS", "compute_loss", "get_keras_mask",
-           "logged_loss_totals", "loss_logged_by_window",
-           "losses_not_divided_by_replicas", "recording_loss_reductions",
-           "track_loss"]
-
 
 def compute_loss(model, **arguments):
     return model.compute_loss(**arguments)

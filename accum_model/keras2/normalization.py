@@ -10,15 +10,6 @@ a window does not take them over, so they move once per micro-batch and
 import contextlib
 
 
-__all__ = ["pools_moving_statistics", "recording_batch_statistics"]
-
-
-def pools_moving_statistics(layer):
-    """Whether a window takes over `layer`'s moving statistics: never."""
-    del layer
-    return False
-
-
 @contextlib.contextmanager
 def recording_batch_statistics(layers):
     """Records nothing: every layer updates its own statistics.

@@ -22,8 +22,6 @@ from accum_model.tensorflow.optimizer_duties import scaled_gradients
 _optimizer_v2 = src("optimizers.legacy.optimizer_v2")
 _autocast_variable = src("mixed_precision.autocast_variable")
 
-__all__ = ["LossScaling", "check_optimizer", "float16_gradient_flags"]
-
 
 def float16_gradient_flags(model, variables):
     """For each of `variables`, whether the large batch's gradient of it is
@@ -69,7 +67,7 @@ def check_optimizer(optimizer, model):
         )
 
 
-class LossScaling(OptimizerDuties):
+class Keras2LossScaling(OptimizerDuties):
     """The compiled Keras 2 optimizer's duties: loss scaling and apply.
 
     Each micro step scales its loss with the `LossScaleOptimizer`'s own

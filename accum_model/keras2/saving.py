@@ -21,10 +21,6 @@ _object_registration = src("saving.object_registration")
 
 Functional = _functional.Functional
 
-__all__ = ["Functional", "WindowCheckpoint", "clones_through_constructor",
-           "functional_constructor_signature", "register_plain_name",
-           "serialize_as", "wrap_sequential_cloning"]
-
 
 def serialize_as(alias_class, registered_class):
     """Makes Keras 2 serialize `alias_class` under `registered_class`'s name.
@@ -73,7 +69,7 @@ def wrap_sequential_cloning(make_wrapper):
     wrapped_for_good(_cloning, "_clone_sequential_model", make_wrapper)
 
 
-class WindowCheckpoint(checkpoint.WindowCheckpoint):
+class Keras2WindowCheckpoint(checkpoint.TensorFlowWindowCheckpoint):
     """The open window, in TensorFlow checkpoints.
 
     Keras 2 tracks a `Trackable` attribute of a model as a checkpoint

@@ -7,41 +7,17 @@ to the steps left. Checked on tf_keras 2.21.0 / TF 2.21.0 with
 TF 2.13.1 (the Keras 2 tests, `tests/test_keras2.py`, in `.ci/matrix`).
 """
 
-import functools
 import sys
 import warnings
 
 import tensorflow as tf
 
 from accum_model.core.messages import window_is_open
-from accum_model.keras2 import losses
-from accum_model.keras2 import normalization
 from accum_model.keras2.package import keras
 from accum_model.tensorflow import training as tf_training
-from accum_model.tensorflow.accumulation import Accumulation
 
 
-__all__ = ["Accumulation", "BACKEND", "END_OF_DATA_ERRORS", "ModelDifferences",
-           "STEPS_PER_EXECUTION_FIX", "accumulate_gradients",
-           "accumulating_train_step", "batch_split_ways", "check_strategy",
-           "stateless_accumulate_gradients",
-           "default_micro_batch_weight", "replicas_in_sync",
-           "executions_stop_cleanly_at_end_of_data",
-           "foreign_variables_in_graph", "is_foreign_layer", "layers_of", "logs_for_reduction",
-           "micro_steps_in_epoch", "model_keyword_arguments",
-           "steps_per_execution"]
-
-# Keras 2 trains on TensorFlow only.
-BACKEND = "tensorflow"
-
-# What a run of the train function raises when the data has run out.
-END_OF_DATA_ERRORS = (StopIteration, tf.errors.OutOfRangeError)
-
-
-STEPS_PER_EXECUTION_FIX = ""  # Keras 2 executions stop between steps.
-
-
-class ModelDifferences:
+class Keras2ModelDifferences:
     """What the Keras 2 `AccumulatingModel` does unlike the Keras 3 one."""
 
     def save(self, filepath, *args, **kwargs):
@@ -70,14 +46,6 @@ def _warn_if_window_is_left_out(model, kind):
         )
 
 
-replicas_in_sync = tf_training.replicas_in_sync
-stateless_accumulate_gradients = tf_training.stateless_accumulate_gradients
-batch_split_ways = tf_training.batch_split_ways
-
-
-accumulate_gradients = tf_training.accumulate_gradients
-
-
 def check_strategy(model):
     """Refuses the strategies the Keras 2 adapter was not checked under."""
     strategy = model.distribute_strategy
@@ -104,18 +72,6 @@ def micro_steps_in_epoch(steps, steps_per_execution):
     epoch's last execution to the steps left."""
     del steps_per_execution
     return steps
-
-
-def executions_stop_cleanly_at_end_of_data():
-    """True: Keras 2's train function of several steps loops
-    `for _ in tf.range(steps_per_execution)` over whole steps, each asking
-    the iterator for its data before anything else of it runs."""
-    return True
-
-
-def logs_for_reduction(logs, strategy):
-    del strategy
-    return logs
 
 
 def model_keyword_arguments(functional):
@@ -172,22 +128,3 @@ def is_foreign_layer(value):
     ):
         return False
     return isinstance(value, other_layer)
-
-
-_KERAS_DETAILS = tf_training.KerasDetails(
-    unpack_x_y_sample_weight=keras.utils.unpack_x_y_sample_weight,
-    compute_loss=losses.compute_loss,
-    get_keras_mask=losses.get_keras_mask,
-    layers_of=layers_of,
-    logs_for_reduction=logs_for_reduction,
-    loss_logged_by_window=losses.loss_logged_by_window,
-    losses_not_divided_by_replicas=losses.losses_not_divided_by_replicas,
-    recording_batch_statistics=normalization.recording_batch_statistics,
-    recording_loss_reductions=losses.recording_loss_reductions,
-)
-
-# The TensorFlow step and default weight, with this Keras's details.
-accumulating_train_step = functools.partial(tf_training.train_step,
-                                            details=_KERAS_DETAILS)
-default_micro_batch_weight = functools.partial(
-    tf_training.default_micro_batch_weight, details=_KERAS_DETAILS)

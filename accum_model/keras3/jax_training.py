@@ -5,7 +5,7 @@ Keras's JAX trainer (`keras/src/backend/jax/trainer.py`) jit-compiles a pure
 non-trainable, optimizer and metrics variables, and writes the values back
 into the variables only at the end of an epoch (`jax_state_sync`). The
 window's state (`WindowState`: accumulators and counters) rides in that
-state behind the optimizer's variables: `ModelDifferences._get_jax_state`
+state behind the optimizer's variables: `JaxModelDifferences._get_jax_state`
 appends it and `jax_state_sync` takes it back, so it is never a variable of
 the model or of the optimizer (`get_weights()` and optimizer files stay what
 plain Keras writes). Each micro step adds its gradient, times what Keras
@@ -50,26 +50,10 @@ from accum_model.keras3 import losses
 from accum_model.keras3 import stateless_window
 from accum_model.keras3.jax_window import window_sharding as _window_sharding
 from accum_model.keras3.stateless_ops import KERAS_SHAPES
-from accum_model.keras3.stateless_training import END_OF_DATA_ERRORS
-from accum_model.keras3.stateless_training import STEPS_PER_EXECUTION_FIX
-from accum_model.keras3.stateless_training import default_micro_batch_weight
-from accum_model.keras3.stateless_training import (
-    executions_stop_cleanly_at_end_of_data)
-from accum_model.keras3.stateless_training import foreign_variables_in_graph
+from accum_model.keras3.jax_window import JaxAccumulation
+from accum_model.keras3.stateless_training import StatelessAdapter
 from accum_model.keras3.stateless_training import (
     has_default_micro_batch_weight)
-from accum_model.keras3.stateless_training import is_foreign_layer
-from accum_model.keras3.stateless_training import logs_for_reduction
-from accum_model.keras3.stateless_training import recording_batch_statistics
-from accum_model.keras3.stateless_training import replicas_in_sync
-
-__all__ = ["END_OF_DATA_ERRORS", "ModelDifferences", "STEPS_PER_EXECUTION_FIX",
-           "accumulate_gradients", "accumulating_train_step",
-           "batch_split_ways", "check_strategy", "default_micro_batch_weight",
-           "executions_stop_cleanly_at_end_of_data",
-           "foreign_variables_in_graph", "is_foreign_layer",
-           "logs_for_reduction", "recording_batch_statistics",
-           "replicas_in_sync", "stateless_accumulate_gradients"]
 
 
 def accumulating_train_step(model, state, data):
@@ -174,7 +158,7 @@ def _current(scope, variable):
     return variable.value if value is None else value
 
 
-class ModelDifferences:
+class JaxModelDifferences:
     """What the Keras 3 `AccumulatingModel` does on JAX: its window rides
     in Keras's JAX state."""
 
@@ -322,3 +306,16 @@ def stateless_accumulate_gradients(model, optimizer_variables, gradients,
         accumulation, list(trainable_variables), optimizer_variables[:-1],
         window, gradients, weight, jnp.asarray(0.0, jnp.float32), weight)
     return trainable, optimizer_values + [window]
+
+
+class JaxAdapter(StatelessAdapter):
+    """Keras 3 on JAX: the window inside Keras's jitted step."""
+
+    Accumulation = JaxAccumulation
+    ModelDifferences = JaxModelDifferences
+    accumulating_train_step = staticmethod(accumulating_train_step)
+    check_strategy = staticmethod(check_strategy)
+    batch_split_ways = staticmethod(batch_split_ways)
+    accumulate_gradients = staticmethod(accumulate_gradients)
+    stateless_accumulate_gradients = staticmethod(
+        stateless_accumulate_gradients)

@@ -11,14 +11,10 @@ import jax
 import jax.numpy as jnp
 
 from accum_model.keras3 import stateless_window
-from accum_model.keras3.stateless_window import LossScaling
-from accum_model.keras3.stateless_window import WindowCheckpoint
-
-__all__ = ["Accumulation", "LossScaling", "WindowCheckpoint"]
 
 
-class Accumulation(stateless_window.Accumulation):
-    """`stateless_window.Accumulation` on JAX.
+class JaxAccumulation(stateless_window.StatelessAccumulation):
+    """`stateless_window.StatelessAccumulation` on JAX.
 
     Args:
         settings: The `Settings` to accumulate with.
@@ -26,7 +22,7 @@ class Accumulation(stateless_window.Accumulation):
 
     def __init__(self, settings):
         super().__init__(settings)
-        self.update_signal = UpdateSignal()
+        self.update_signal = JaxUpdateSignal()
         # The window's layout under `keras.distribution` (set as the step's
         # state is gathered), else None.
         self.window_sharding = None
@@ -67,7 +63,7 @@ def _replicated_like(sharding):
     return sharding
 
 
-class UpdateSignal:
+class JaxUpdateSignal:
     """Whether the last run of the train function applied an update.
 
     Copies the optimizer's `iterations` from the state before and after each

@@ -24,10 +24,6 @@ from accum_model.core.learning_rate import FloatLearningRate
 from accum_model.core.learning_rate import ScheduleScale
 from accum_model.core.learning_rate import several_rates_message
 
-# What the adapter offers; `WindowScaledSchedule` is found by its registered
-# name when a model is loaded.
-__all__ = ["learning_rate_of", "scalable_learning_rate"]
-
 _Schedule = keras.optimizers.schedules.LearningRateSchedule
 
 

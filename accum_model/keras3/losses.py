@@ -10,7 +10,7 @@ import inspect
 import sys
 
 from keras import ops
-from keras.src.backend.common.masking import get_keras_mask
+from keras.src.backend.common import masking
 from keras.src.losses import loss as keras_loss_module
 
 from accum_model.core import divisor
@@ -21,10 +21,10 @@ from accum_model.core.patch import replaced
 LOSS_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight",
                    "sum")
 
-__all__ = ["LOSS_REDUCTIONS", "compute_loss", "get_keras_mask",
-           "logged_loss_totals", "loss_logged_by_window",
-           "losses_not_divided_by_replicas", "recording_loss_reductions",
-           "track_loss"]
+
+def get_keras_mask(tensor):
+    """The mask a Keras layer attached to `tensor`, or None."""
+    return masking.get_keras_mask(tensor)
 
 
 def compute_loss(model, **arguments):

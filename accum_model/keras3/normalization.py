@@ -11,8 +11,6 @@ private `_moments(inputs, mask)` and then moves `moving_mean` and
 
 import keras
 
-__all__ = ["pools_moving_statistics"]
-
 
 def pools_moving_statistics(layer):
     """Whether a window takes over `layer`'s moving statistics."""

@@ -5,13 +5,6 @@ and which optimizers a window applies. The `LossScaleOptimizer` taken apart
 for windows is each backend's (`tensorflow_optimizer`, `jax_training`).
 """
 
-__all__ = ["check_optimizer", "float16_gradient_flags"]
-
-
-def check_optimizer(optimizer, model):
-    """Every Keras 3 optimizer is applied exactly under every strategy."""
-    del optimizer, model
-
 
 def float16_gradient_flags(model, variables):
     """For each of `variables`, whether the large batch's gradient of it is

@@ -5,16 +5,11 @@ TF 2.21.0 (the tests that exercise each helper pass, `.ci/matrix`).
 """
 
 from keras.src.models import cloning
-from keras.src.models.functional import Functional
 from keras.src.models.functional import functional_like_constructor
 from keras.src.saving import object_registration
 
 from accum_model.core import class_tree
 from accum_model.core.patch import wrapped_for_good
-
-__all__ = ["Functional", "clones_through_constructor",
-           "functional_constructor_signature", "register_plain_name",
-           "serialize_as", "wrap_sequential_cloning"]
 
 
 def serialize_as(alias_class, registered_class):

@@ -30,9 +30,6 @@ from accum_model.keras3.stateless_ops import KERAS_OPS
 from accum_model.keras3.normalization import pools_moving_statistics
 from accum_model.keras3.training import layers_of
 
-# Used by `stateless_window`; nothing of the adapter's own.
-__all__ = []
-
 class PooledStatistics:
     """The layers of a model whose moving statistics a window pools.
 

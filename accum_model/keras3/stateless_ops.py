@@ -11,9 +11,6 @@ from keras import ops
 from accum_model.core import arithmetic
 from accum_model.core import divisor
 
-# Used by the modules beside it; nothing of the adapter's own.
-__all__ = []
-
 
 def to_float32(value):
     return ops.cast(value, "float32")

@@ -33,10 +33,7 @@ from accum_model.keras3 import learning_rate
 from accum_model.keras3.stateless_normalization import PooledStatistics
 from accum_model.keras3.stateless_ops import KERAS_OPS
 
-# Used by the backends' modules; nothing of the adapter's own.
-__all__ = []
-
-class Accumulation(WindowLifecycle):
+class StatelessAccumulation(WindowLifecycle):
     """The window state of one model on JAX or PyTorch, and its life cycle.
 
     The same questions and operations as the TensorFlow window's
@@ -383,7 +380,7 @@ def end_window(accumulation, operands):
                     lambda: update(operands), lambda: skip(operands))
 
 
-class LossScaling(OptimizerDuties):
+class StatelessLossScaling(OptimizerDuties):
     """The compiled optimizer's duties on JAX and PyTorch, taken apart for
     windows.
 
@@ -437,7 +434,7 @@ class LossScaling(OptimizerDuties):
                     if v is lso.dynamic_scale)
 
 
-class WindowCheckpoint(KerasSaveable, layout.RestoredWindow):
+class StatelessWindowCheckpoint(KerasSaveable, layout.RestoredWindow):
     """The open window in Keras files (`save_weights`, `.keras`,
     `ModelCheckpoint`, `BackupAndRestore`), laid out as on TensorFlow
     (`core.checkpoint_layout`): a file saved on either backend restores on

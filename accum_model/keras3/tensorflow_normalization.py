@@ -24,8 +24,6 @@ from accum_model.tensorflow.batch_statistics import RecordedStatistics
 from accum_model.tensorflow.batch_statistics import StatisticsCall
 
 
-__all__ = ["pools_moving_statistics", "recording_batch_statistics"]
-
 
 @contextlib.contextmanager
 def recording_batch_statistics(layers):

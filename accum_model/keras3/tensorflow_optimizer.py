@@ -26,10 +26,7 @@ from accum_model.core.optimizer_duties import OptimizerDuties
 from accum_model.core.variables import is_overwritten_with_gradient
 from accum_model.tensorflow.optimizer_duties import scaled_gradients
 
-__all__ = ["LossScaling"]
-
-
-class LossScaling(OptimizerDuties):
+class TensorFlowLossScaling(OptimizerDuties):
     """The compiled Keras 3 optimizer's duties: loss scaling and apply.
 
     Args:

@@ -8,10 +8,8 @@ from keras.src.saving.keras_saveable import KerasSaveable
 
 from accum_model.tensorflow import checkpoint
 
-__all__ = ["WindowCheckpoint"]
-
-
-class WindowCheckpoint(KerasSaveable, checkpoint.WindowCheckpoint):
+class Keras3TensorFlowWindowCheckpoint(
+        KerasSaveable, checkpoint.TensorFlowWindowCheckpoint):
     """The open window, in Keras files and in TensorFlow checkpoints.
 
     Keras files (`save_weights`, `.keras`, `ModelCheckpoint`,

@@ -8,52 +8,34 @@ Checked (the tests that exercise each helper pass, `.ci/matrix`) on:
 
 | helper | keras 3.6.0 / TF 2.16.2 | 3.10.0 / TF 2.18.1 | 3.15.1 / TF 2.21.0 |
 |---|---|---|---|
-| `ModelDifferences` (`_maybe_symbolic_build`; epoch iterator of 2 or 3 items, or `enumerate_epoch`) | yes | yes | yes |
+| `TensorFlowModelDifferences` (`_maybe_symbolic_build`; epoch iterator of 2 or 3 items, or `enumerate_epoch`) | yes | yes | yes |
 | `executions_stop_cleanly_at_end_of_data` | no (refused) | yes | yes |
 | `logs_for_reduction` | yes | yes | yes |
 | `layers_of` (`Layer._flatten_layers`), `is_foreign_layer` | yes | yes | yes |
 | `model_keyword_arguments` | yes | yes | yes |
 """
 
-import functools
 
 import keras
 import tensorflow as tf
 from keras import tree
+from keras.src.models.functional import Functional
 
 from accum_model.core import class_tree
 from accum_model.keras3 import losses
 from accum_model.keras3 import tensorflow_normalization as normalization
-from accum_model.keras3.saving import Functional
+from accum_model.keras3.adapter import Keras3Adapter
+from accum_model.keras3.tensorflow_optimizer import TensorFlowLossScaling
+from accum_model.keras3.tensorflow_saving import (
+    Keras3TensorFlowWindowCheckpoint)
 from accum_model.keras3.training import layers_of
 from accum_model.tensorflow import training as tf_training
-from accum_model.tensorflow.accumulation import Accumulation
+from accum_model.tensorflow.accumulation import TensorFlowAccumulation
 from accum_model.tensorflow.ops import TF_SHAPES
 
 
-__all__ = ["Accumulation", "END_OF_DATA_ERRORS", "ModelDifferences",
-           "STEPS_PER_EXECUTION_FIX", "accumulate_gradients",
-           "accumulating_train_step", "batch_split_ways", "check_strategy",
-           "stateless_accumulate_gradients",
-           "default_micro_batch_weight",
-           "executions_stop_cleanly_at_end_of_data",
-           "foreign_variables_in_graph", "is_foreign_layer",
-           "logs_for_reduction", "replicas_in_sync"]
-
-
-END_OF_DATA_ERRORS = (StopIteration,)
-
-
-STEPS_PER_EXECUTION_FIX = (
-    f"With keras {keras.__version__}, `steps_per_execution > 1` can run part "
-    "of a training step when the data runs out inside an execution, which "
-    "would leave a window half updated. Compile with steps_per_execution=1, "
-    "or upgrade: pip install 'keras>=3.8'"
-)
-
-
-class ModelDifferences:
-    """What the Keras 3 `AccumulatingModel` does unlike the Keras 2 one."""
+class TensorFlowModelDifferences:
+    """What the Keras 3 `AccumulatingModel` does on TensorFlow."""
 
     def make_train_function(self, force=False):
         if self._accumulation.accumulates and (force
@@ -96,16 +78,6 @@ def build_window_before_tracing(model):
     accumulation.ensure_state(
         variables, model.distribute_strategy,
         normalization.expected_statistics_calls(layers_of(model)))
-
-
-def check_strategy(model):
-    """Refuses strategies whose variables live off-replica."""
-    tf_training.check_strategy(model.distribute_strategy)
-
-
-replicas_in_sync = tf_training.replicas_in_sync
-stateless_accumulate_gradients = tf_training.stateless_accumulate_gradients
-batch_split_ways = tf_training.batch_split_ways
 
 
 def executions_stop_cleanly_at_end_of_data():
@@ -180,13 +152,6 @@ def logs_for_reduction(logs, strategy):
     }
 
 
-def foreign_variables_in_graph(model):
-    """Nothing to find: a Keras 2 layer called on a Keras 3 symbolic tensor
-    raises while the graph is built (keras 3.15.1 with tf_keras 2.21)."""
-    del model
-    return []
-
-
 def is_foreign_layer(value):
     """Whether `value` is a Keras 2 layer, whose weights Keras 3 does not see.
 
@@ -199,24 +164,45 @@ def is_foreign_layer(value):
             and not isinstance(value, keras.layers.Layer))
 
 
-accumulate_gradients = tf_training.accumulate_gradients
+class TensorFlowAdapter(Keras3Adapter):
+    """Keras 3 on TensorFlow: the window of `accum_model.tensorflow`."""
 
+    Accumulation = TensorFlowAccumulation
+    LossScaling = TensorFlowLossScaling
+    ModelDifferences = TensorFlowModelDifferences
+    WindowCheckpoint = Keras3TensorFlowWindowCheckpoint
+    END_OF_DATA_ERRORS = (StopIteration,)
+    STEPS_PER_EXECUTION_FIX = (
+        f"With keras {keras.__version__}, `steps_per_execution > 1` can run "
+        "part of a training step when the data runs out inside an "
+        "execution, which would leave a window half updated. Compile with "
+        "steps_per_execution=1, or upgrade: pip install 'keras>=3.8'")
 
-_KERAS_DETAILS = tf_training.KerasDetails(
-    unpack_x_y_sample_weight=keras.utils.unpack_x_y_sample_weight,
-    compute_loss=losses.compute_loss,
-    get_keras_mask=losses.get_keras_mask,
-    layers_of=layers_of,
-    logs_for_reduction=logs_for_reduction,
-    loss_logged_by_window=losses.loss_logged_by_window,
-    losses_not_divided_by_replicas=losses.losses_not_divided_by_replicas,
-    recording_batch_statistics=normalization.recording_batch_statistics,
-    recording_loss_reductions=functools.partial(
-        losses.recording_loss_reductions, TF_SHAPES),
-)
+    unpack_x_y_sample_weight = staticmethod(
+        keras.utils.unpack_x_y_sample_weight)
+    recording_batch_statistics = staticmethod(
+        normalization.recording_batch_statistics)
+    executions_stop_cleanly_at_end_of_data = staticmethod(
+        executions_stop_cleanly_at_end_of_data)
+    logs_for_reduction = staticmethod(logs_for_reduction)
+    is_foreign_layer = staticmethod(is_foreign_layer)
+    replicas_in_sync = staticmethod(tf_training.replicas_in_sync)
+    accumulate_gradients = staticmethod(tf_training.accumulate_gradients)
+    stateless_accumulate_gradients = staticmethod(
+        tf_training.stateless_accumulate_gradients)
 
-# The TensorFlow step and default weight, with this Keras's details.
-accumulating_train_step = functools.partial(tf_training.train_step,
-                                            details=_KERAS_DETAILS)
-default_micro_batch_weight = functools.partial(
-    tf_training.default_micro_batch_weight, details=_KERAS_DETAILS)
+    @staticmethod
+    def recording_loss_reductions():
+        return losses.recording_loss_reductions(TF_SHAPES)
+
+    @staticmethod
+    def check_strategy(model):
+        """Refuses strategies whose variables live off-replica."""
+        tf_training.check_strategy(model.distribute_strategy)
+
+    def accumulating_train_step(self, model, data):
+        return tf_training.train_step(model, data, details=self)
+
+    def default_micro_batch_weight(self, model, x, y_pred):
+        return tf_training.default_micro_batch_weight(model, x, y_pred,
+                                                      details=self)

@@ -33,33 +33,13 @@ from accum_model.core import divisor
 from accum_model.keras3 import losses
 from accum_model.keras3 import stateless_window
 from accum_model.keras3.stateless_ops import KERAS_SHAPES
-from accum_model.keras3.stateless_training import END_OF_DATA_ERRORS
-from accum_model.keras3.stateless_training import STEPS_PER_EXECUTION_FIX
-from accum_model.keras3.stateless_training import default_micro_batch_weight
-from accum_model.keras3.stateless_training import (
-    executions_stop_cleanly_at_end_of_data)
-from accum_model.keras3.stateless_training import foreign_variables_in_graph
+from accum_model.keras3.stateless_training import StatelessAdapter
 from accum_model.keras3.stateless_training import (
     has_default_micro_batch_weight)
-from accum_model.keras3.stateless_training import is_foreign_layer
-from accum_model.keras3.stateless_training import logs_for_reduction
-from accum_model.keras3.stateless_training import recording_batch_statistics
-from accum_model.keras3.stateless_training import replicas_in_sync
-from accum_model.keras3.stateless_window import LossScaling
-from accum_model.keras3.stateless_window import WindowCheckpoint
-
-__all__ = ["Accumulation", "END_OF_DATA_ERRORS", "LossScaling",
-           "ModelDifferences", "STEPS_PER_EXECUTION_FIX", "WindowCheckpoint",
-           "accumulate_gradients", "accumulating_train_step",
-           "batch_split_ways", "check_strategy", "default_micro_batch_weight",
-           "executions_stop_cleanly_at_end_of_data",
-           "foreign_variables_in_graph", "is_foreign_layer",
-           "logs_for_reduction", "recording_batch_statistics",
-           "replicas_in_sync", "stateless_accumulate_gradients"]
 
 
-class Accumulation(stateless_window.Accumulation):
-    """`stateless_window.Accumulation` on PyTorch: the window's state is
+class TorchAccumulation(stateless_window.StatelessAccumulation):
+    """`stateless_window.StatelessAccumulation` on PyTorch: the window's state is
     held here and moved eagerly by each step.
 
     Args:
@@ -68,7 +48,7 @@ class Accumulation(stateless_window.Accumulation):
 
     def __init__(self, settings):
         super().__init__(settings)
-        self.update_signal = UpdateSignal()
+        self.update_signal = TorchUpdateSignal()
         # Whether the built-in step (which knows the loss) fed the window.
         self.tracks_loss = True
 
@@ -140,7 +120,7 @@ class Accumulation(stateless_window.Accumulation):
         self.has_gradient = [True] * len(self.window.trainable_variables)
 
 
-class UpdateSignal:
+class TorchUpdateSignal:
     """Whether the last run of the train function applied an update: the
     optimizer's `iterations` before it against their count now (which
     includes a window applied at the epoch's end, after the run)."""
@@ -222,7 +202,7 @@ def accumulating_train_step(model, data):
     return logs
 
 
-class ModelDifferences:
+class TorchModelDifferences:
     """What the Keras 3 `AccumulatingModel` does on PyTorch: its window is
     built before the first step, and the step runs uncompiled."""
 
@@ -255,10 +235,6 @@ def check_strategy(model):
             f"{distributed.get_world_size()}")
 
 
-def batch_split_ways():
-    return 1
-
-
 def accumulate_gradients(model, gradients, weight, batch_size=None):
     """`AccumulatingModel.accumulate_gradients` on PyTorch (eager)."""
     accumulation = model._accumulation
@@ -287,3 +263,15 @@ def stateless_accumulate_gradients(model, optimizer_variables, gradients,
         "PyTorch the step is stateful: call "
         "`self.accumulate_gradients(gradients, weight)` where Keras's step "
         "calls `self.optimizer.apply`.")
+
+
+class TorchAdapter(StatelessAdapter):
+    """Keras 3 on PyTorch: the window in Keras's eager step."""
+
+    Accumulation = TorchAccumulation
+    ModelDifferences = TorchModelDifferences
+    accumulating_train_step = staticmethod(accumulating_train_step)
+    check_strategy = staticmethod(check_strategy)
+    accumulate_gradients = staticmethod(accumulate_gradients)
+    stateless_accumulate_gradients = staticmethod(
+        stateless_accumulate_gradients)

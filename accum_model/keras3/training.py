@@ -14,12 +14,6 @@ import math
 import keras
 from keras.src.models.functional import Functional
 
-__all__ = ["BACKEND", "layers_of", "micro_steps_in_epoch",
-           "model_keyword_arguments", "steps_per_execution"]
-
-# The Keras backend of this process ("tensorflow", "jax" or "torch").
-BACKEND = keras.backend.backend()
-
 
 def steps_per_execution(model):
     return int(getattr(model, "steps_per_execution", 1) or 1)

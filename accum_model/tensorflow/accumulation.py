@@ -22,12 +22,12 @@ from accum_model.core.lifecycle import WindowLifecycle
 from accum_model.core.messages import window_is_open
 from accum_model.tensorflow import replicas
 from accum_model.tensorflow.ops import TF_OPS
-from accum_model.tensorflow.update_signal import UpdateSignal
+from accum_model.tensorflow.update_signal import TensorFlowUpdateSignal
 from accum_model.tensorflow.window import GradientWindow
 from accum_model.tensorflow.window_end import WindowEnd
 
 
-class Accumulation(WindowLifecycle):
+class TensorFlowAccumulation(WindowLifecycle):
     """The window state of one model, and its life cycle.
 
     Args:
@@ -40,7 +40,7 @@ class Accumulation(WindowLifecycle):
         window_end: The `WindowEnd` that applies `window`, or None.
         loss_scaling: The compiled optimizer's duties (the adapter's
             `LossScaling`), or None before training is set up.
-        update_signal: The `UpdateSignal` callbacks read.
+        update_signal: The `TensorFlowUpdateSignal` callbacks read.
         checkpoint: The `WindowCheckpoint` that checkpoints carry, set by
             the model (its class depends on the Keras).
         epoch: Int. The 0-based epoch being trained.
@@ -51,7 +51,7 @@ class Accumulation(WindowLifecycle):
     def __init__(self, settings):
         super().__init__(settings)
         self.window_end = None
-        self.update_signal = UpdateSignal(self._updates_applied)
+        self.update_signal = TensorFlowUpdateSignal(self._updates_applied)
         self._optimizer = None
         self._run_eagerly = False
         self._report_loss = None

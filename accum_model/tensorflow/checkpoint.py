@@ -2,7 +2,7 @@
 
 A checkpoint taken between two updates holds the weights and optimizer state
 of the last update; without the window, the micro-batches seen since then
-would be lost on resume. `WindowCheckpoint` is an attribute of the model that
+would be lost on resume. `TensorFlowWindowCheckpoint` is an attribute of the model that
 TensorFlow checkpoints carry (see `SavedInTfCheckpoints`); each Keras
 adapter's `WindowCheckpoint` adds the Keras file formats that can carry it.
 It saves the window as the whole window: accumulators and weight sums
@@ -24,7 +24,7 @@ from accum_model.core import checkpoint_layout as layout
 from accum_model.tensorflow import replicas
 from accum_model.tensorflow.tf_checkpoint import SavedInTfCheckpoints
 
-class WindowCheckpoint(SavedInTfCheckpoints, layout.RestoredWindow):
+class TensorFlowWindowCheckpoint(SavedInTfCheckpoints, layout.RestoredWindow):
     """Saves and restores the window of an `Accumulation`.
 
     Args:

@@ -4,10 +4,11 @@ Keras 3 on TensorFlow and Keras 2 train with the same stateful step: a
 `tf.GradientTape` over one micro-batch, its gradients handed to the window
 in replica context. What differs between the two Kerases (how a loss is
 computed, reduced and logged, how normalization layers are intercepted)
-comes in as `KerasDetails` from each adapter.
+comes in as `details`, each Keras's adapter (`unpack_x_y_sample_weight`,
+`compute_loss`, `get_keras_mask`, `layers_of`, `logs_for_reduction`,
+`loss_logged_by_window`, `losses_not_divided_by_replicas`,
+`recording_batch_statistics`, `recording_loss_reductions`).
 """
-
-import collections
 
 import tensorflow as tf
 
@@ -15,24 +16,13 @@ from accum_model.core import class_tree
 from accum_model.core import divisor
 from accum_model.tensorflow.ops import TF_SHAPES
 
-KerasDetails = collections.namedtuple("KerasDetails", [
-    # `(data) -> (x, y, sample_weight)`, Keras's own unpacking.
-    "unpack_x_y_sample_weight",
-    # The adapter's functions of the same names (see `accum_model.keras3`).
-    "compute_loss", "get_keras_mask", "layers_of",
-    "logs_for_reduction", "loss_logged_by_window",
-    "losses_not_divided_by_replicas", "recording_batch_statistics",
-    "recording_loss_reductions",
-])
-
-
 def train_step(model, data, details):
     """One micro step of `model` on `data` (replica context).
 
     Args:
         model: The accumulating model.
         data: The micro-batch, as Keras hands it to `train_step`.
-        details: The adapter's `KerasDetails`.
+        details: The Keras adapter (see the module's docstring).
 
     Returns:
         The logs of the step.

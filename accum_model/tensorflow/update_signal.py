@@ -3,7 +3,7 @@
 import tensorflow as tf
 
 
-class UpdateSignal:
+class TensorFlowUpdateSignal:
     """Whether the last run of the train function applied an update.
 
     Before each run of the train function (one micro-batch, or

@@ -1,0 +1,79 @@
+"""What the model layer asks of Keras and its backend: the `Adapter` base.
+
+The public model, its checks and its callbacks are written once, against
+one `Adapter`. Each Keras and backend has a subclass, picked once by
+`accum_model._chooser` as Keras picks its trainer:
+`keras3.tensorflow_training.TensorFlowAdapter`,
+`keras3.jax_training.JaxAdapter` and `keras3.torch_training.TorchAdapter`
+(the last two through `keras3.stateless_training.StatelessAdapter`, all
+three through `keras3.adapter.Keras3Adapter`), and
+`keras2.adapter.Keras2Adapter`. The defaults here hold for a loop that runs
+one program per step and stops before a step when the data runs out.
+
+A subclass also gives:
+
+* `keras`, the Keras package that trains; `Functional`, its functional
+  model class; `LOSS_REDUCTIONS`, the loss reductions it knows.
+* The window's classes: `Accumulation` (the model holds one),
+  `LossScaling` (a `LossScaleOptimizer` taken apart for windows),
+  `ModelDifferences` (mixed into the model class) and `WindowCheckpoint`.
+* The step: `accumulating_train_step`, `default_micro_batch_weight`,
+  `accumulate_gradients`, `stateless_accumulate_gradients`, `track_loss`,
+  `logged_loss_totals`, `float16_gradient_flags`, `check_strategy`.
+* Keras's loop and files: `layers_of`, `steps_per_execution`,
+  `micro_steps_in_epoch`, `model_keyword_arguments`, `learning_rate_of`,
+  `scalable_learning_rate`, `serialize_as`, `register_plain_name`,
+  `clones_through_constructor`, `functional_constructor_signature`,
+  `wrap_sequential_cloning`.
+"""
+
+
+class Adapter:
+    """The answers most stacks share; see the module's docstring."""
+
+    # What a run of the train function raises when the data has run out.
+    END_OF_DATA_ERRORS = ()
+    # Why `steps_per_execution > 1` is refused, or "" where it is safe.
+    STEPS_PER_EXECUTION_FIX = ""
+
+    @staticmethod
+    def executions_stop_cleanly_at_end_of_data():
+        """Whether an execution of several steps stops between two steps
+        when the data runs out."""
+        return True
+
+    @staticmethod
+    def replicas_in_sync(model):
+        """Int. Replicas whose windows meet at the window end."""
+        del model
+        return 1
+
+    @staticmethod
+    def batch_split_ways():
+        """Int. How many equal parts each batch must split into across
+        devices."""
+        return 1
+
+    @staticmethod
+    def check_optimizer(optimizer, model):
+        """Raises for an optimizer a window cannot apply exactly."""
+        del optimizer, model
+
+    @staticmethod
+    def pools_moving_statistics(layer):
+        """Whether a window takes over `layer`'s moving statistics."""
+        del layer
+        return False
+
+    @staticmethod
+    def foreign_variables_in_graph(model):
+        """Names of the graph's layers that hold another Keras's variables."""
+        del model
+        return []
+
+    @staticmethod
+    def is_foreign_layer(value):
+        """Whether `value` is a layer of another Keras, whose weights this
+        one does not see."""
+        del value
+        return False

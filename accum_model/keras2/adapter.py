@@ -1,0 +1,84 @@
+"""`Keras2Adapter`: Keras 2 (TensorFlow 2.13-2.15's own, or `tf_keras`).
+
+The window is `accum_model.tensorflow`'s, as on Keras 3's TensorFlow; each
+module named here says which Keras 2 versions it was checked on. Keras 2
+executions stop between steps, and the loop ends data with
+`tf.errors.OutOfRangeError`.
+"""
+
+import tensorflow as tf
+
+from accum_model.core.adapter import Adapter
+from accum_model.keras2 import learning_rate
+from accum_model.keras2 import losses
+from accum_model.keras2 import normalization
+from accum_model.keras2 import optimizer
+from accum_model.keras2 import saving
+from accum_model.keras2 import training
+from accum_model.keras2.package import keras
+from accum_model.tensorflow import training as tf_training
+from accum_model.tensorflow.accumulation import TensorFlowAccumulation
+
+
+class Keras2Adapter(Adapter):
+    """Keras 2 on TensorFlow."""
+
+    keras = keras
+    Functional = saving.Functional
+    Accumulation = TensorFlowAccumulation
+    LossScaling = optimizer.Keras2LossScaling
+    ModelDifferences = training.Keras2ModelDifferences
+    WindowCheckpoint = saving.Keras2WindowCheckpoint
+    LOSS_REDUCTIONS = losses.LOSS_REDUCTIONS
+    END_OF_DATA_ERRORS = (StopIteration, tf.errors.OutOfRangeError)
+
+    unpack_x_y_sample_weight = staticmethod(
+        keras.utils.unpack_x_y_sample_weight)
+    compute_loss = staticmethod(losses.compute_loss)
+    get_keras_mask = staticmethod(losses.get_keras_mask)
+    logged_loss_totals = staticmethod(losses.logged_loss_totals)
+    loss_logged_by_window = staticmethod(losses.loss_logged_by_window)
+    losses_not_divided_by_replicas = staticmethod(
+        losses.losses_not_divided_by_replicas)
+    recording_loss_reductions = staticmethod(
+        losses.recording_loss_reductions)
+    track_loss = staticmethod(losses.track_loss)
+    recording_batch_statistics = staticmethod(
+        normalization.recording_batch_statistics)
+    check_optimizer = staticmethod(optimizer.check_optimizer)
+    float16_gradient_flags = staticmethod(optimizer.float16_gradient_flags)
+    learning_rate_of = staticmethod(learning_rate.learning_rate_of)
+    scalable_learning_rate = staticmethod(
+        learning_rate.scalable_learning_rate)
+    clones_through_constructor = staticmethod(
+        saving.clones_through_constructor)
+    functional_constructor_signature = staticmethod(
+        saving.functional_constructor_signature)
+    register_plain_name = staticmethod(saving.register_plain_name)
+    serialize_as = staticmethod(saving.serialize_as)
+    wrap_sequential_cloning = staticmethod(saving.wrap_sequential_cloning)
+    check_strategy = staticmethod(training.check_strategy)
+    foreign_variables_in_graph = staticmethod(
+        training.foreign_variables_in_graph)
+    is_foreign_layer = staticmethod(training.is_foreign_layer)
+    layers_of = staticmethod(training.layers_of)
+    micro_steps_in_epoch = staticmethod(training.micro_steps_in_epoch)
+    model_keyword_arguments = staticmethod(training.model_keyword_arguments)
+    steps_per_execution = staticmethod(training.steps_per_execution)
+    replicas_in_sync = staticmethod(tf_training.replicas_in_sync)
+    accumulate_gradients = staticmethod(tf_training.accumulate_gradients)
+    stateless_accumulate_gradients = staticmethod(
+        tf_training.stateless_accumulate_gradients)
+
+    @staticmethod
+    def logs_for_reduction(logs, strategy):
+        """Keras 2 reduces the step's scalar logs over workers itself."""
+        del strategy
+        return logs
+
+    def accumulating_train_step(self, model, data):
+        return tf_training.train_step(model, data, details=self)
+
+    def default_micro_batch_weight(self, model, x, y_pred):
+        return tf_training.default_micro_batch_weight(model, x, y_pred,
+                                                      details=self)

@@ -1,0 +1,51 @@
+"""`Keras3Adapter`: what Keras 3 answers alike on every backend.
+
+Each backend's subclass adds its training step and window
+(`tensorflow_training.TensorFlowAdapter`, `jax_training.JaxAdapter`,
+`torch_training.TorchAdapter`); each module named here says which Keras 3
+versions its private details were checked on.
+"""
+
+import keras
+from keras.src.models.functional import Functional
+
+from accum_model.core.adapter import Adapter
+from accum_model.keras3 import learning_rate
+from accum_model.keras3 import losses
+from accum_model.keras3 import normalization
+from accum_model.keras3 import optimizer
+from accum_model.keras3 import saving
+from accum_model.keras3 import training
+
+
+class Keras3Adapter(Adapter):
+    """Keras 3, whatever the backend."""
+
+    keras = keras
+    Functional = Functional
+    LOSS_REDUCTIONS = losses.LOSS_REDUCTIONS
+
+    compute_loss = staticmethod(losses.compute_loss)
+    get_keras_mask = staticmethod(losses.get_keras_mask)
+    logged_loss_totals = staticmethod(losses.logged_loss_totals)
+    loss_logged_by_window = staticmethod(losses.loss_logged_by_window)
+    losses_not_divided_by_replicas = staticmethod(
+        losses.losses_not_divided_by_replicas)
+    track_loss = staticmethod(losses.track_loss)
+    pools_moving_statistics = staticmethod(
+        normalization.pools_moving_statistics)
+    float16_gradient_flags = staticmethod(optimizer.float16_gradient_flags)
+    learning_rate_of = staticmethod(learning_rate.learning_rate_of)
+    scalable_learning_rate = staticmethod(
+        learning_rate.scalable_learning_rate)
+    clones_through_constructor = staticmethod(
+        saving.clones_through_constructor)
+    functional_constructor_signature = staticmethod(
+        saving.functional_constructor_signature)
+    register_plain_name = staticmethod(saving.register_plain_name)
+    serialize_as = staticmethod(saving.serialize_as)
+    wrap_sequential_cloning = staticmethod(saving.wrap_sequential_cloning)
+    layers_of = staticmethod(training.layers_of)
+    micro_steps_in_epoch = staticmethod(training.micro_steps_in_epoch)
+    model_keyword_arguments = staticmethod(training.model_keyword_arguments)
+    steps_per_execution = staticmethod(training.steps_per_execution)
