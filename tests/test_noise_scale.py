@@ -150,8 +150,8 @@ def test_off_adds_no_variable_and_no_op():
         names[measure] = (
             [op.name for op in graph.get_operations()
              if "noise_scale" in op.name],
-            [v.name for v in vars(window.noise).values()
-             if isinstance(v, tf.Variable)] if window.noise else [],
+            [v.name for field, v in window.variables.items()
+             if field.startswith("noise_")],
         )
     assert names[False] == ([], [])
     ops, variables = names[True]
@@ -195,13 +195,13 @@ def test_a_window_restored_open_is_not_measured(tmp_path):
     restored.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
     restored.train_on_batch(x[8:16], y[8:16])
     restored.load_weights(tmp_path / "open.weights.h5")
-    noise = restored._accumulation.window.noise
+    window = restored._accumulation.window
     assert restored._accumulation.open_micro_steps() == 1
-    assert float(noise.measurable.read_value()) == 0.0
+    assert float(window.noise_measurable.read_value()) == 0.0
     # The window it completes is not counted; the next one is.
     for start in range(16, 72, 8):
         restored.train_on_batch(x[start:start + 8], y[start:start + 8])
-    assert float(noise.estimates.read_value()) == 1.0
+    assert float(window.noise_estimates.read_value()) == 1.0
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])

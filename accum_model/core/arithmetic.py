@@ -30,7 +30,11 @@ ArrayOps = collections.namedtuple("ArrayOps", [
     # `dtype_name(x)`, its dtype as a string ("float32").
     "sum", "square", "abs", "max", "all", "isfinite", "cast", "zeros",
     "dtype_name",
-], defaults=(None,) * 10)
+    # `(x) -> float32 sum of x's squared elements`, where the backend's
+    # arrays need more than `sum(square(x))` (TensorFlow's sparse
+    # gradients); None otherwise.
+    "squared_norm",
+], defaults=(None,) * 11)
 
 # The smallest magnitude float16 rounds to infinity (its largest finite
 # value, 65504, plus half of its last step, 32).

@@ -5,8 +5,7 @@ on every backend: the settings in force and when they may change, the
 epoch, the micro steps an open window holds (or a restored file holds
 before the window exists), the loss of part of a window. A backend's
 `Accumulation` subclasses `WindowLifecycle` and answers the few questions
-only its state can: its counters (`_window_count`), its loss sums
-(`loss_totals`), whether its micro steps handed in their loss, and how
+only its state can: its state's values (`_window_value`), whether its micro steps handed in their loss, and how
 its window takes a new length.
 """
 
@@ -167,10 +166,31 @@ class WindowLifecycle:
     def loss_totals(self):
         """The open window's loss sum, weight sum (over replicas) and micro
         steps, eagerly: zeros without a window."""
-        raise NotImplementedError
+        if self.window is None:
+            return 0.0, 0.0, 0
+        return (self._window_value("loss_sum"),
+                self._window_value("weight_sum"), self.open_micro_steps())
+
+    def noise_scale(self):
+        """Float, the gradient noise scale measured in the current epoch.
+
+        None when not measured (`measure_noise_scale` off, or no window of
+        two or more micro-batches applied yet this epoch); see
+        `arithmetic.noise_scale`.
+        """
+        if self.window is None or not self.settings.measure_noise_scale:
+            return None
+        return arithmetic.noise_scale(*(
+            self._window_value(name) for name in (
+                "noise_trace_sum", "noise_signal_sum", "noise_estimates")))
 
     def _window_count(self, name):
         """Int. The window's counter `name` ("micro_steps", ...)."""
+        return int(self._window_value(name))
+
+    def _window_value(self, name):
+        """Float. The window's `WindowState` field `name`, eagerly (a sum
+        over replicas where replicas keep their own)."""
         raise NotImplementedError
 
     def _tracks_loss(self):

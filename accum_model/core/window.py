@@ -129,64 +129,104 @@ def empty_state(shapes, accumulator_dtype, overwrite, length, ops,
     )
 
 
-def added(config, state, gradients, weight, loss, samples, ops):
+def added(config, state, gradients, weight, loss, samples, ops, counts=True):
     """The window with one more micro-batch in it.
 
     Args:
         config: The `WindowConfig`.
         state: The `WindowState`.
-        gradients: One gradient per variable (zeros where it had none), of
-            the micro-batch's loss, a mean over `weight` elements.
+        gradients: One gradient per variable (None or zeros where it had
+            none), of the micro-batch's loss, a mean over `weight` elements.
         weight: Float32 scalar, what Keras divided the loss by.
-        loss: Scalar, the micro-batch's loss.
+        loss: Scalar, the micro-batch's loss; None where a step of the
+            user's own reports no loss.
         samples: Float32 scalar, its samples.
         ops: The backend's `ArrayOps`.
+        counts: Bool (or a bool scalar): whether the micro-batch counts as
+            a micro step. An empty batch that a loop runs at the end of
+            data on one replica while another has data does not.
     """
-    wide = "float64" if any(ops.dtype_name(s) == "float64"
-                            for s in state.gradient_sums) else "float32"
+    return counters_added(config, state, gradients, weight, loss, samples,
+                          ops, counts)._replace(
+        gradient_sums=gradient_sums_added(config, state, gradients, weight,
+                                          ops))
+
+
+def gradient_sums_added(config, state, gradients, weight, ops):
+    """The gradient sums with a micro-batch's gradients in."""
     first = state.micro_steps == 0
-    gradient_sums = [
-        ops.where(first, ops.cast(g, "float32"),
-                  ops.maximum(total, ops.cast(g, "float32")))
-        if kept else
-        total + ops.cast(ops.cast(g, wide) * ops.cast(weight, wide),
-                         ops.dtype_name(total))
-        for total, g, kept in zip(state.gradient_sums, gradients,
-                                  config.overwrite)]
-    return state._replace(
-        gradient_sums=gradient_sums,
+    return [
+        total if gradient is None
+        else largest(total, gradient, first, ops) if kept
+        else total + weighted(gradient, weight, ops.dtype_name(total), ops)
+        for total, gradient, kept in zip(state.gradient_sums, gradients,
+                                         config.overwrite)]
+
+
+def weighted(gradient, weight, dtype, ops):
+    """What a micro-batch adds to a gradient sum of `dtype`: its gradient
+    times its weight, multiplied in float32 (float64 for a float64 sum)."""
+    wide = _wide(dtype)
+    return ops.cast(ops.cast(gradient, wide) * ops.cast(weight, wide), dtype)
+
+
+def _wide(dtype):
+    """What a sum of `dtype` is computed in: float64 for float64, else
+    float32."""
+    return "float64" if dtype == "float64" else "float32"
+
+
+def largest(total, gradient, first, ops):
+    """A variable Keras overwrites with its "gradient" keeps the largest
+    value of the window's micro-batches (as Keras's own accumulation)."""
+    value = ops.cast(gradient, "float32")
+    return ops.where(first, value, ops.maximum(total, value))
+
+
+def counters_added(config, state, gradients, weight, loss, samples, ops,
+                   counts=True):
+    """Everything `added` moves but the gradient sums: weight, loss,
+    samples, counters and noise sums."""
+    step = 1 if counts is True else ops.cast(
+        counts, ops.dtype_name(state.micro_steps))
+    loss_sum = state.loss_sum
+    if loss is not None:
+        loss_sum = loss_sum + arithmetic.weighted_loss(
+            ops.cast(loss, "float32"), weight, ops)
+    return noise_added(config, state._replace(
         weight_sum=state.weight_sum + weight,
-        loss_sum=state.loss_sum + arithmetic.weighted_loss(
-            ops.cast(loss, "float32"), weight, ops),
+        loss_sum=loss_sum,
         sample_sum=state.sample_sum + samples,
-        micro_steps=state.micro_steps + 1,
-        steps_left_in_epoch=state.steps_left_in_epoch - 1,
-        **_noise_terms(config, state, gradients, weight, samples, ops),
-    )
+        micro_steps=state.micro_steps + step,
+        steps_left_in_epoch=state.steps_left_in_epoch - step,
+    ), gradients, weight, samples, ops)
 
 
-def _noise_terms(config, state, gradients, weight, samples, ops):
-    """The window's noise sums with a micro-batch in; none when the noise
-    scale is not measured."""
+def noise_added(config, state, gradients, weight, samples, ops):
+    """The window's noise sums with a micro-batch in; unchanged when the
+    noise scale is not measured."""
     if not config.measure_noise_scale:
-        return {}
+        return state
     squared_norm = squared_norm_of(
-        [g for g, kept in zip(gradients, config.overwrite) if not kept], ops)
+        [g for g, kept in zip(gradients, config.overwrite)
+         if not kept and g is not None], ops)
     size = weight if config.divide_by_weight else samples
-    return {
-        "noise_squared_norm_sum": state.noise_squared_norm_sum
+    return state._replace(
+        noise_squared_norm_sum=state.noise_squared_norm_sum
         + arithmetic.noise_micro_batch_term(weight, squared_norm, size, ops),
-        "noise_weight_sum": state.noise_weight_sum + size,
-        "noise_micro_batches": state.noise_micro_batches
-        + ops.where(size > 0, 1.0, 0.0),
-    }
+        noise_weight_sum=state.noise_weight_sum + size,
+        noise_micro_batches=state.noise_micro_batches
+        + ops.where(size > 0, 1.0, 0.0))
 
 
 def squared_norm_of(arrays, ops):
-    """Float32: the sum of the squares of every element of `arrays`."""
+    """Float32: the sum of the squares of every element of `arrays` (a
+    backend's own `squared_norm` where it has one: TensorFlow's sums a
+    sparse gradient's repeated rows first)."""
     total = ops.cast(0.0, "float32")
     for array in arrays:
-        total = total + ops.sum(ops.square(ops.cast(array, "float32")))
+        total = total + (ops.squared_norm(array) if ops.squared_norm
+                         else ops.sum(ops.square(ops.cast(array, "float32"))))
     return total
 
 
@@ -227,7 +267,8 @@ def mean_gradients(config, state, dtypes, ops):
         None if not used
         else ops.cast(total, dtype) if kept
         else ops.cast(arithmetic.divide_no_nan(
-            ops.cast(total, "float32"), weight, ops), dtype)
+            ops.cast(total, _wide(ops.dtype_name(total))),
+            ops.cast(weight, _wide(ops.dtype_name(total))), ops), dtype)
         for total, dtype, kept, used in zip(
             state.gradient_sums, dtypes, config.overwrite, present)]
 
@@ -256,25 +297,40 @@ def fits_float16(config, state, loss_scale, ops):
                                    total_weight(config, state, ops))
 
 
-def measured(config, state, applied, ops):
-    """The state with the window's noise estimates added to its epoch's
-    where it was `applied` (a skipped window is not measured) and it holds
-    two or more micro-batches, all of them in its sums."""
-    if not config.measure_noise_scale:
-        return state
+def window_estimates(config, state, ops):
+    """The window's noise-scale estimates [tr(Sigma), |G|^2, 1.0], zeros
+    where it cannot be measured: fewer than two micro-batches with data, or
+    some of them missing from its sums (restored open)."""
     summed_norm = squared_norm_of(
         [s for s, kept in zip(state.gradient_sums, config.overwrite)
          if not kept], ops)
     trace, signal = arithmetic.noise_estimates(
         state.noise_squared_norm_sum, summed_norm, state.noise_weight_sum,
         state.noise_micro_batches, ops)
-    counts = applied & (state.noise_micro_batches >= 2.0) & (
+    measurable = (state.noise_micro_batches >= 2.0) & (
         state.noise_measurable > 0.0)
+    return [ops.where(measurable, value, 0.0)
+            for value in (trace, signal, ops.cast(1.0, "float32"))]
+
+
+def with_estimates(state, estimates, ops, applied=True):
+    """The state with `estimates` (`window_estimates`, or their sum over
+    replicas) added to its epoch's where the window was `applied`."""
+    trace, signal, count = (ops.where(applied, value, 0.0)
+                            for value in estimates)
     return state._replace(
-        noise_trace_sum=state.noise_trace_sum + ops.where(counts, trace, 0.0),
-        noise_signal_sum=state.noise_signal_sum + ops.where(counts, signal,
-                                                            0.0),
-        noise_estimates=state.noise_estimates + ops.where(counts, 1.0, 0.0))
+        noise_trace_sum=state.noise_trace_sum + trace,
+        noise_signal_sum=state.noise_signal_sum + signal,
+        noise_estimates=state.noise_estimates + count)
+
+
+def measured(config, state, applied, ops):
+    """The state with the window's noise estimates added to its epoch's
+    where it was `applied` (a skipped window is not measured)."""
+    if not config.measure_noise_scale:
+        return state
+    return with_estimates(state, window_estimates(config, state, ops), ops,
+                          applied)
 
 
 def reset(state, ops):
@@ -303,14 +359,28 @@ def closed(config, state, applied, ops):
     counted."""
     state = reset(measured(config, state, applied, ops), ops)
     return state._replace(skipped_windows=state.skipped_windows + ops.cast(
-        ops.where(applied, 0, 1), "int32"))
+        ops.where(applied, 0, 1), ops.dtype_name(state.skipped_windows)))
+
+
+def restored(state, counters, ops):
+    """The state with a saved window's counters (a dict by field name) in.
+    A window restored open is not measured: its micro-batches before the
+    checkpoint are not in its noise sums."""
+    return state._replace(
+        **{name: ops.cast(value, ops.dtype_name(getattr(state, name)))
+           for name, value in counters.items()},
+        noise_squared_norm_sum=ops.zeros_like(state.noise_squared_norm_sum),
+        noise_weight_sum=ops.zeros_like(state.noise_weight_sum),
+        noise_micro_batches=ops.zeros_like(state.noise_micro_batches),
+        noise_measurable=ops.cast(
+            0.0 if counters["micro_steps"] else 1.0, "float32"))
 
 
 def with_epoch(state, steps_left_in_epoch, ops, new_epoch=True):
     """The window as an epoch of `steps_left_in_epoch` micro steps (or -1,
     unknown) begins: a new epoch's noise scale is its own."""
-    state = state._replace(
-        steps_left_in_epoch=ops.cast(steps_left_in_epoch, "int32"))
+    state = state._replace(steps_left_in_epoch=ops.cast(
+        steps_left_in_epoch, ops.dtype_name(state.steps_left_in_epoch)))
     if not new_epoch:
         return state
     return state._replace(**{
@@ -322,7 +392,7 @@ def with_epoch(state, steps_left_in_epoch, ops, new_epoch=True):
 def with_length(state, length, ops):
     """The window with `length` from its next boundary on: an empty window
     takes it at once, an open one keeps its own."""
-    length = ops.cast(length, "int32")
+    length = ops.cast(length, ops.dtype_name(state.length))
     return state._replace(
         next_length=length,
         length=ops.where(state.micro_steps == 0, length, state.length))

@@ -73,8 +73,8 @@ class StatelessAccumulation(WindowLifecycle):
 
     # What `WindowLifecycle` asks of a backend --------------------------------
 
-    def _window_count(self, name):
-        return int(getattr(self.window.state, name))
+    def _window_value(self, name):
+        return float(getattr(self.window.state, name))
 
     def _tracks_loss(self):
         return True  # The built-in step is the only step on JAX.
@@ -97,22 +97,6 @@ class StatelessAccumulation(WindowLifecycle):
         return ends
 
     # What users read -------------------------------------------------------
-
-    def noise_scale(self):
-        """The epoch's B_noise so far, or None (see `arithmetic.noise_scale`)."""
-        if self.window is None or not self.settings.measure_noise_scale:
-            return None
-        state = self.window.state
-        return arithmetic.noise_scale(float(state.noise_trace_sum),
-                                      float(state.noise_signal_sum),
-                                      float(state.noise_estimates))
-
-    def loss_totals(self):
-        if self.window is None:
-            return 0.0, 0.0, 0
-        state = self.window.state
-        return (float(state.loss_sum), float(state.weight_sum),
-                int(state.micro_steps))
 
     def watch_updates(self, train_function, optimizer):
         return self.update_signal.watching(train_function, optimizer)
@@ -197,19 +181,11 @@ class StatelessAccumulation(WindowLifecycle):
         gradients, _, counters = layout.window_to_write(
             arrays, [_elements(s) for s in state.gradient_sums],
             float(state.skipped_windows))
-        self.window.state = state._replace(
+        self.window.state = core_window.restored(
+            state, counters, KERAS_OPS)._replace(
             gradient_sums=[
                 ops.cast(value.reshape(total.shape), total.dtype)
                 for value, total in zip(gradients, state.gradient_sums)],
-            **{name: ops.cast(counters[name], getattr(state, name).dtype)
-               for name in layout.COUNTERS},
-            # A window restored open is not measured: its micro-batches
-            # before the checkpoint are not in the noise sums.
-            noise_squared_norm_sum=ops.cast(0.0, "float32"),
-            noise_weight_sum=ops.cast(0.0, "float32"),
-            noise_micro_batches=ops.cast(0.0, "float32"),
-            noise_measurable=ops.cast(
-                0.0 if counters["micro_steps"] else 1.0, "float32"),
             statistics_sums=[
                 ops.cast(value, "float32")
                 for value in layout.statistics_to_write(

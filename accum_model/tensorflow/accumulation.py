@@ -18,6 +18,7 @@ import warnings
 import tensorflow as tf
 
 from accum_model.core import arithmetic
+from accum_model.core import window as core_window
 from accum_model.core.lifecycle import WindowLifecycle
 from accum_model.core.messages import window_is_open
 from accum_model.tensorflow import replicas
@@ -59,14 +60,14 @@ class TensorFlowAccumulation(WindowLifecycle):
 
     # What `WindowLifecycle` asks of a backend --------------------------------
 
-    def _window_count(self, name):
-        return int(getattr(self.window, name).numpy())
+    def _window_value(self, name):
+        return float(getattr(self.window, name).read_value().numpy())
 
     def _tracks_loss(self):
         return self.window.tracks_loss
 
     def _divides_by_weight(self):
-        return self.window_end.divide_by_weight
+        return self.window.divide_by_weight
 
     def _forget_window(self):
         self.window = None
@@ -74,25 +75,6 @@ class TensorFlowAccumulation(WindowLifecycle):
 
     def _set_window_length(self, length):
         self.window.set_length(length)
-
-    def loss_totals(self):
-        window = self.window
-        if window is None:
-            return 0.0, 0.0, 0
-        return (float(window.loss_sum.read_value().numpy()),
-                float(window.weight_sum.read_value().numpy()),
-                self.open_micro_steps())
-
-    def noise_scale(self):
-        """Float, the gradient noise scale measured in the current epoch.
-
-        None when not measured (`measure_noise_scale` off, or no window of
-        two or more micro-batches applied yet this epoch).
-        """
-        window = self.window
-        if window is None or window.noise is None:
-            return None
-        return window.noise.epoch_value()
 
     def watch_updates(self, train_function, optimizer):
         """`train_function`, noting the updates applied before each run."""
@@ -255,10 +237,8 @@ class TensorFlowAccumulation(WindowLifecycle):
         self._start_epoch_counts(steps, epoch)
         window = self.window
         if window is not None:
-            window.steps_left_in_epoch.assign(self._epoch_steps)
+            window.start_epoch(self._epoch_steps, new_epoch=epoch is not None)
             window.set_length(self.window_length())
-            if window.noise is not None and epoch is not None:
-                window.noise.start_epoch()
 
     def add_micro_step(self, gradients, weight, batch_size,
                        divide_by_weight=True, loss=None, statistics=()):
@@ -285,19 +265,15 @@ class TensorFlowAccumulation(WindowLifecycle):
                 f"({len(window.trainable_variables)}). Received: "
                 f"{len(gradients)} gradients"
             )
-        self.window_end.divide_by_weight = divide_by_weight
+        window.divide_by_weight = divide_by_weight
         samples = tf.cast(batch_size, tf.float32)
         has_data = replicas.has_data_on_some_replica(
             samples, window.strategy,
             exact=not self.settings.flush_each_epoch,
         )
-        window.add(gradients, weight, samples, has_data, loss, statistics,
-                   divided=divide_by_weight)
-        window_full = window.is_full()
-        epoch_ends = tf.equal(window.steps_left_in_epoch, 0)
-        self.window_end.end_if(
-            tf.logical_and(has_data, tf.logical_or(window_full, epoch_ends))
-        )
+        window.add(gradients, weight, samples, has_data, loss, statistics)
+        self.window_end.end_if(tf.logical_and(
+            has_data, core_window.ends(window.state(gradient_sums=[]))))
 
     def apply_open_window(self):
         """Applies the gradients of the window still open, if any."""

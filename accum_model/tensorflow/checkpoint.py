@@ -21,7 +21,9 @@ import numpy as np
 import tensorflow as tf
 
 from accum_model.core import checkpoint_layout as layout
+from accum_model.core import window as core_window
 from accum_model.tensorflow import replicas
+from accum_model.tensorflow.ops import TF_OPS
 from accum_model.tensorflow.tf_checkpoint import SavedInTfCheckpoints
 
 class TensorFlowWindowCheckpoint(SavedInTfCheckpoints, layout.RestoredWindow):
@@ -113,16 +115,14 @@ def _write(window, arrays, accumulation):
             replicas.assign_on_every_replica(
                 gradient_sum,
                 value.reshape(gradient_sum.shape) / num_replicas)
-        for name in layout.COUNTERS:
-            share = (counters[name] / num_replicas if name in layout.SUMMED
-                     else counters[name])
-            replicas.assign_on_every_replica(getattr(window, name), share)
         if window.statistics.sums is not None:
             replicas.assign_on_every_replica(
                 window.statistics.sums,
                 window.statistics.joined(statistics) / num_replicas)
-        if window.noise is not None:
-            window.noise.window_restored(is_open=counters["micro_steps"] > 0)
+    # Each replica takes an equal share of the sums.
+    window.update(lambda state: core_window.restored(state, {
+        name: value / num_replicas if name in layout.SUMMED else value
+        for name, value in counters.items()}, TF_OPS), everywhere=True)
     window.has_gradient = [
         now or saved for now, saved in zip(window.has_gradient, has_gradient)
     ]

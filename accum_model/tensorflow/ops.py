@@ -10,6 +10,15 @@ def _to_float32(value):
     return tf.cast(value, tf.float32)
 
 
+def _squared_norm(value):
+    """Float32 |value|^2; a sparse gradient's repeated rows summed first."""
+    if isinstance(value, tf.IndexedSlices):
+        indices, positions = tf.unique(value.indices)
+        value = tf.math.unsorted_segment_sum(
+            tf.cast(value.values, tf.float32), positions, tf.shape(indices)[0])
+    return tf.reduce_sum(tf.square(tf.cast(value, tf.float32)))
+
+
 TF_OPS = ArrayOps(
     where=tf.where, minimum=tf.minimum, maximum=tf.maximum,
     zeros_like=tf.zeros_like, ones_like=tf.ones_like, to_float32=_to_float32,
@@ -17,6 +26,7 @@ TF_OPS = ArrayOps(
     sum=tf.reduce_sum, square=tf.square, abs=tf.abs, max=tf.reduce_max,
     all=tf.reduce_all, isfinite=tf.math.is_finite, cast=tf.cast,
     zeros=tf.zeros, dtype_name=lambda value: value.dtype.name,
+    squared_norm=_squared_norm,
 )
 
 TF_SHAPES = ShapeOps(

@@ -11,9 +11,8 @@ import functools
 
 import tensorflow as tf
 
-from accum_model.core import arithmetic
+from accum_model.core import window as core_window
 from accum_model.tensorflow import replicas
-from accum_model.tensorflow.noise_scale import ESTIMATES
 from accum_model.tensorflow.ops import TF_OPS
 
 
@@ -47,8 +46,6 @@ class WindowEnd:
         self.checks_finite = loss_scaling.active or accumulators_may_overflow
         self.report_loss = report_loss
         self.float16_gradients = float16_gradients
-        # False for losses reduced with "sum": the window is their sum.
-        self.divide_by_weight = True
         self._apply_open_functions = {}
 
     @classmethod
@@ -72,25 +69,29 @@ class WindowEnd:
         window = self.window
         scaling = self.loss_scaling
         statistics = window.statistics
-        noise = window.noise
+        measures_noise = window.measure_noise_scale
+        config = window.config(self.float16_gradients or ())
         summed_sums = window.summed_gradient_sums()
         # One collective carries one dtype: float32, or float64 where an
         # accumulator is (narrower accumulators are summed in float32).
         dtype = tf.float64 if any(
             s.dtype == tf.float64 for s in summed_sums) else tf.float32
 
-        noise_end = 4 + (ESTIMATES if noise is not None else 0)
+        noise_end = 4 + (3 if measures_noise else 0)
         totals_size = noise_end + statistics.size
 
         def local_window():
+            state = window.state()
             parts = [tf.stack([
-                window.weight_sum, window.sample_sum,
-                (window.local_is_finite() if self.checks_finite
-                 else tf.constant(1.0)),
-                window.loss_sum,
+                state.weight_sum, state.sample_sum,
+                (tf.cast(core_window.is_finite(state, TF_OPS), tf.float32)
+                 if self.checks_finite else tf.constant(1.0)),
+                state.loss_sum,
             ])]
-            if noise is not None:
-                parts.append(window.local_noise_estimates())
+            if measures_noise:
+                with tf.name_scope("noise_scale"):
+                    parts.append(tf.stack(core_window.window_estimates(
+                        config, state, TF_OPS)))
             parts.append(statistics.local_sums())
             totals = tf.cast(tf.concat(parts, 0), dtype)
             return totals, [tf.cast(s, dtype) for s in summed_sums]
@@ -115,40 +116,55 @@ class WindowEnd:
             gradient_totals = replicas.for_each_replica(
                 _split_gradient_totals, reduced, totals_size, summed_sums)
         totals = tf.cast(totals, tf.float32)
-        noise_totals = totals[4:noise_end]
+        noise_totals = tf.unstack(totals[4:noise_end])
         statistics_totals = totals[noise_end:]
-        total_weight, total_samples = totals[0], totals[1]
-        if not self.divide_by_weight:
-            total_weight = tf.constant(1.0)
-        window_loss = arithmetic.window_loss(totals[3], total_weight, True,
-                                             TF_OPS)
+        total_samples = totals[1]
+
+        # The window summed over replicas, as a `WindowState`.
+        whole_totals = window.state(gradient_sums=[])._replace(
+            weight_sum=totals[0], sample_sum=total_samples,
+            loss_sum=totals[3])
+
+        def whole_window(gradient_totals):
+            return whole_totals._replace(
+                gradient_sums=window.with_summed(gradient_totals))
+
         num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
         finite = tf.equal(totals[2], float(num_replicas))
-        if self.checks_finite:
-            finite = tf.logical_and(finite, self._fits_float16(
-                total_weight, gradient_totals))
+        if self.checks_finite and any(config.float16):
+            # Every replica holds the same summed totals: the verdict needs
+            # no communication.
+            loss_scale = scaling.current_scale()
+            finite = tf.logical_and(finite, replicas.first_local(
+                replicas.for_each_replica(
+                    lambda sums: core_window.fits_float16(
+                        config, whole_window(sums), loss_scale, TF_OPS),
+                    gradient_totals)))
 
         def update():
             with (scaling.summed_gradients()
                   if scaling.applies_summed_gradients
                   else contextlib.nullcontext()):
-                replicas.for_each_replica(self._apply_window_gradient,
-                                          total_weight, gradient_totals)
+                replicas.for_each_replica(
+                    lambda sums: self._apply_window_gradient(
+                        config, whole_window(sums)), gradient_totals)
             scaling.after_update()
             # Windows skipped for overflow are not measured.
-            if noise is not None:
-                replicas.for_each_replica(noise.count, noise_totals)
+            if measures_noise:
+                replicas.for_each_replica(lambda: window.update(
+                    lambda state: core_window.with_estimates(
+                        state, noise_totals, TF_OPS)))
 
         def skip():
             scaling.after_overflow()
-            replicas.for_each_replica(
-                lambda: window.skipped_windows.assign_add(1)
-            )
+            replicas.for_each_replica(lambda: window.update(
+                lambda state: core_window.skipped(state, TF_OPS)))
 
         def report_and_move_statistics():
             # Logged whether the window is applied or skipped for overflow,
             # as Keras logs the loss of a large batch it skips.
             if self.report_loss is not None and window.tracks_loss:
+                window_loss = core_window.loss(config, whole_totals, TF_OPS)
                 replicas.for_each_replica(
                     lambda: self.report_loss(window_loss,
                                              window.sample_sum.value())
@@ -173,34 +189,7 @@ class WindowEnd:
             _run_when(has_samples, update)
         replicas.for_each_replica(window.reset)
 
-    def _fits_float16(self, total_weight, gradient_totals):
-        """Whether the large batch's float16 gradients stay in float16.
-
-        The large batch sums its samples' gradient terms in float16 for a
-        variable used in float16: a window whose micro-batches each stay in
-        range can still sum, scaled, past float16's largest value, and the
-        large batch would then skip its step. Its scaled gradient is the
-        window's sum times the loss scale over the window's weight. Every
-        replica holds the same summed totals, so the verdict needs no
-        communication.
-        """
-        flags = self.window.of_summed(
-            self.float16_gradients or [False] * len(self.window.has_gradient))
-        if not any(flags):
-            return tf.constant(True)
-
-        def largest(totals):
-            return tf.reduce_max(tf.stack([
-                tf.cast(tf.reduce_max(tf.abs(total)), tf.float32)
-                for total, flag in zip(totals, flags) if flag
-            ]))
-
-        largest_sum = replicas.first_local(
-            replicas.for_each_replica(largest, gradient_totals))
-        return arithmetic.fits_float16(
-            largest_sum, self.loss_scaling.current_scale(), total_weight)
-
-    def _apply_window_gradient(self, total_weight, gradient_totals):
+    def _apply_window_gradient(self, config, whole_window):
         """Replica context: hands the window gradient to the optimizer.
 
         Every replica holds the whole window gradient. Where the optimizer
@@ -211,7 +200,10 @@ class WindowEnd:
         into the whole gradient again (clipping a zero leaves a zero).
         """
         window = self.window
-        gradients = window.mean_gradients(total_weight, gradient_totals)
+        gradients = core_window.mean_gradients(
+            config, whole_window,
+            [tf.as_dtype(v.dtype).name for v in window.trainable_variables],
+            TF_OPS)
         pairs = [
             (g, v, overwrite)
             for g, v, overwrite in zip(

@@ -344,3 +344,131 @@ def test_a_file_for_other_weights_is_refused():
                                {name: 0.0 for name in layout.COUNTERS})
     with pytest.raises(ValueError, match="sizes"):
         layout.window_to_write(layout.read(saved), [6, 2], 0.0)
+
+
+# What a store of per-replica variables asks of the transitions -----------------
+
+def test_a_step_that_does_not_count_moves_no_counter():
+    state = _state(length=2, steps_left_in_epoch=5)
+    after = window.added(_config(), state, _gradients(0), np.float32(0.0),
+                         np.float32(0.0), np.float32(0.0), OPS,
+                         counts=np.bool_(False))
+    assert int(after.micro_steps) == 0
+    assert int(after.steps_left_in_epoch) == 5
+    counted = window.added(_config(), state, _gradients(0), np.float32(2.0),
+                           np.float32(1.0), np.float32(2.0), OPS,
+                           counts=np.bool_(True))
+    assert int(counted.micro_steps) == 1
+    assert int(counted.steps_left_in_epoch) == 4
+
+
+def test_a_missing_gradient_or_loss_leaves_its_sum_as_it_was():
+    state = _add(_state(), 1, weight=2.0, loss=3.0)
+    gradients = _gradients(2)
+    after = window.added(_config(), state, [None, gradients[1]],
+                         np.float32(1.0), None, np.float32(1.0), OPS)
+    assert after.gradient_sums[0] is state.gradient_sums[0]
+    np.testing.assert_allclose(after.gradient_sums[1],
+                               state.gradient_sums[1] + gradients[1])
+    assert float(after.loss_sum) == float(state.loss_sum) == 6.0
+    assert float(after.weight_sum) == 3.0
+
+
+def test_counters_added_is_added_without_the_gradient_sums():
+    config = _config(measure_noise_scale=True)
+    state = _add(_state(), 1, weight=2.0, config=config)
+    whole = _add(state, 2, weight=3.0, config=config)
+    counters = window.counters_added(
+        config, state, _gradients(2), np.float32(3.0), np.float32(1.0),
+        np.float32(3.0), OPS)
+    assert counters.gradient_sums is state.gradient_sums
+    for field in window.WindowState._fields:
+        if field not in ("gradient_sums", "statistics_sums"):
+            np.testing.assert_array_equal(getattr(counters, field),
+                                          getattr(whole, field))
+
+
+def test_float64_sums_are_weighted_and_divided_in_float64():
+    config = _config()
+    state = _state(dtype="float64")
+    gradient = [np.full(shape, 1.0 / 3.0, np.float32) for shape in SHAPES]
+    weight = np.float32(3.0)
+    state = window.added(config, state, gradient, weight, np.float32(0.0),
+                         weight, OPS)
+    assert state.gradient_sums[0].dtype == np.float64
+    mean = window.mean_gradients(config, state, ["float64"] * 2, OPS)
+    np.testing.assert_array_equal(mean[0], np.float64(np.float32(1 / 3)))
+
+
+def test_a_backends_own_squared_norm_counts_in_the_noise_sums():
+    config = _config(measure_noise_scale=True)
+    doubled = OPS._replace(
+        squared_norm=lambda a: 2.0 * np.sum(np.square(a)).astype("float32"))
+    gradients = _gradients(3)
+    plain = window.added(config, _state(), gradients, np.float32(1.0),
+                         np.float32(0.0), np.float32(1.0), OPS)
+    own = window.added(config, _state(), gradients, np.float32(1.0),
+                       np.float32(0.0), np.float32(1.0), doubled)
+    assert float(own.noise_squared_norm_sum) == pytest.approx(
+        2.0 * float(plain.noise_squared_norm_sum))
+
+
+def test_estimates_summed_over_replicas_count_once_per_applied_window():
+    config = _config(measure_noise_scale=True)
+    replicas = []
+    for seed in (4, 5):
+        state = _state()
+        for step in range(3):
+            state = _add(state, seed * 10 + step, weight=2.0, config=config)
+        replicas.append(window.window_estimates(config, state, OPS))
+    summed = [a + b for a, b in zip(*replicas)]
+    assert float(summed[2]) == 2.0
+    counted = window.with_estimates(_state(), summed, OPS)
+    assert float(counted.noise_estimates) == 2.0
+    assert float(counted.noise_trace_sum) == pytest.approx(
+        float(replicas[0][0] + replicas[1][0]))
+    skipped = window.with_estimates(_state(), summed, OPS,
+                                    applied=np.bool_(False))
+    assert float(skipped.noise_estimates) == 0.0
+
+
+def test_a_window_of_one_micro_batch_or_restored_open_is_not_measured():
+    config = _config(measure_noise_scale=True)
+    one = _add(_state(), 6, weight=2.0, config=config)
+    assert [float(v) for v in window.window_estimates(config, one, OPS)] == [
+        0.0, 0.0, 0.0]
+    two = _add(one, 7, weight=2.0, config=config)
+    restored = two._replace(noise_measurable=np.float32(0.0))
+    assert float(window.window_estimates(config, two, OPS)[2]) == 1.0
+    assert float(window.window_estimates(config, restored, OPS)[2]) == 0.0
+
+
+def test_counters_keep_the_stores_integer_dtype():
+    state = _state()._replace(micro_steps=np.int64(0),
+                              length=np.int64(4), next_length=np.int64(4),
+                              steps_left_in_epoch=np.int64(-1),
+                              skipped_windows=np.int64(0))
+    state = window.with_length(state, 2, OPS)
+    state = window.with_epoch(state, 7, OPS)
+    state = window.closed(_config(), state, np.bool_(False), OPS)
+    assert {np.asarray(getattr(state, name)).dtype.name for name in (
+        "length", "next_length", "steps_left_in_epoch",
+        "skipped_windows")} == {"int64"}
+
+
+def test_a_restored_window_takes_its_counters_and_is_measured_only_if_empty():
+    config = _config(measure_noise_scale=True)
+    state = _add(_add(_state(), 1, 2.0, config=config), 2, 2.0,
+                 config=config)
+    counters = {"weight_sum": 5.0, "sample_sum": 5.0, "micro_steps": 3.0,
+                "skipped_windows": 1.0, "length": 4.0, "loss_sum": 2.5}
+    open_window = window.restored(state, counters, OPS)
+    assert int(open_window.micro_steps) == 3
+    assert open_window.micro_steps.dtype == state.micro_steps.dtype
+    assert float(open_window.weight_sum) == 5.0
+    assert float(open_window.noise_squared_norm_sum) == 0.0
+    assert float(window.window_estimates(config, _add(
+        _add(open_window, 3, 2.0, config=config), 4, 2.0,
+        config=config), OPS)[2]) == 0.0
+    empty = window.restored(state, dict(counters, micro_steps=0.0), OPS)
+    assert float(empty.noise_measurable) == 1.0
