@@ -30,6 +30,7 @@ import torch
 from keras import ops
 
 from accum_model.core import divisor
+from accum_model.core.update_signal import UpdateSignal
 from accum_model.keras3 import losses
 from accum_model.keras3 import stateless_window
 from accum_model.keras3.stateless_ops import KERAS_SHAPES
@@ -48,7 +49,10 @@ class TorchAccumulation(stateless_window.StatelessAccumulation):
 
     def __init__(self, settings):
         super().__init__(settings)
-        self.update_signal = TorchUpdateSignal()
+        # The optimizer's count, copied before each run; read only when
+        # asked (reading it then would wait for the device every step).
+        self.update_signal = UpdateSignal(
+            lambda optimizer: optimizer.iterations.value, torch.clone)
         # Whether the built-in step (which knows the loss) fed the window.
         self.tracks_loss = True
 
@@ -118,31 +122,6 @@ class TorchAccumulation(stateless_window.StatelessAccumulation):
         super().write_window(arrays)
         # A restored window's sums may hold a gradient of any variable.
         self.has_gradient = [True] * len(self.window.trainable_variables)
-
-
-class TorchUpdateSignal:
-    """Whether the last run of the train function applied an update: the
-    optimizer's `iterations` before it against their count now (which
-    includes a window applied at the epoch's end, after the run)."""
-
-    def __init__(self):
-        self._before = None
-        self._iterations = None
-
-    def watching(self, train_function, optimizer):
-        self._iterations = optimizer.iterations
-
-        def train_function_noting_updates(*args):
-            # A copy, read only when asked: reading it here would wait for
-            # the device on every micro step.
-            self._before = torch.clone(self._iterations.value)
-            return train_function(*args)
-
-        return train_function_noting_updates
-
-    def applied(self):
-        return (self._before is not None
-                and int(self._iterations.value) > int(self._before))
 
 
 def accumulating_train_step(model, data):

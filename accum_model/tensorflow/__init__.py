@@ -16,7 +16,6 @@ adapter. Here is only what tf.distribute needs:
 * `optimizer_duties` — the compiled optimizer split into its loss scaler and
   its updater.
 * `batch_statistics` — BatchNormalization's pooled moments.
-* `checkpoint`, `tf_checkpoint` — the open window in checkpoints;
-  `update_signal` — whether the last step applied an update; `ops` — the
-  core's array operations in TensorFlow.
+* `checkpoint`, `tf_checkpoint` — the open window in checkpoints; `ops` —
+  the core's array operations in TensorFlow.
 """

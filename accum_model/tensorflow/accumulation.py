@@ -21,9 +21,9 @@ from accum_model.core import arithmetic
 from accum_model.core import window as core_window
 from accum_model.core.lifecycle import WindowLifecycle
 from accum_model.core.messages import window_is_open
+from accum_model.core.update_signal import UpdateSignal
 from accum_model.tensorflow import replicas
 from accum_model.tensorflow.ops import TF_OPS
-from accum_model.tensorflow.update_signal import TensorFlowUpdateSignal
 from accum_model.tensorflow.window import GradientWindow
 from accum_model.tensorflow.window_end import WindowEnd
 
@@ -41,7 +41,7 @@ class TensorFlowAccumulation(WindowLifecycle):
         window_end: The `WindowEnd` that applies `window`, or None.
         loss_scaling: The compiled optimizer's duties (the adapter's
             `LossScaling`), or None before training is set up.
-        update_signal: The `TensorFlowUpdateSignal` callbacks read.
+        update_signal: The `UpdateSignal` callbacks read.
         checkpoint: The `WindowCheckpoint` that checkpoints carry, set by
             the model (its class depends on the Keras).
         epoch: Int. The 0-based epoch being trained.
@@ -52,8 +52,7 @@ class TensorFlowAccumulation(WindowLifecycle):
     def __init__(self, settings):
         super().__init__(settings)
         self.window_end = None
-        self.update_signal = TensorFlowUpdateSignal(self._updates_applied)
-        self._optimizer = None
+        self.update_signal = UpdateSignal(self._updates_applied, tf.identity)
         self._run_eagerly = False
         self._report_loss = None
         self._float16_gradients = None
@@ -78,14 +77,12 @@ class TensorFlowAccumulation(WindowLifecycle):
 
     def watch_updates(self, train_function, optimizer):
         """`train_function`, noting the updates applied before each run."""
-        self._optimizer = optimizer
-        return self.update_signal.watching(train_function)
+        return self.update_signal.watching(train_function, optimizer)
 
-    def _updates_applied(self):
+    def _updates_applied(self, optimizer):
         # Under loss scaling the inner optimizer counts the updates (before
         # keras 3.9 the outer one keeps a count of its own).
-        optimizer = getattr(self._optimizer, "inner_optimizer",
-                            self._optimizer)
+        optimizer = getattr(optimizer, "inner_optimizer", optimizer)
         updates = tf.cast(tf.convert_to_tensor(optimizer.iterations),
                           tf.int64)
         scaling = self.loss_scaling
