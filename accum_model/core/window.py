@@ -284,9 +284,11 @@ def is_finite(state, ops):
 def fits_float16(config, state, loss_scale, ops):
     """Bool: whether the large batch's scaled float16 gradients stay in
     float16's range (see `arithmetic.fits_float16`); True where no
-    variable's large-batch gradient is float16."""
-    flagged = [total for total, flag in zip(state.gradient_sums,
-                                             config.float16) if flag]
+    variable's large-batch gradient is float16. A variable Keras overwrites
+    holds no gradient sum and has no say."""
+    flagged = [total for total, flag, kept in zip(
+        state.gradient_sums, config.float16, config.overwrite)
+        if flag and not kept]
     if not flagged:
         return ops.cast(True, "bool")
     largest = ops.cast(0.0, "float32")

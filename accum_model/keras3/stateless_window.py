@@ -154,12 +154,11 @@ class StatelessAccumulation(WindowLifecycle):
         # that is kept).
         self._apply_open = None
         self.overwrite = [is_overwritten_with_gradient(v) for v in variables]
-        self.float16_flags = [
-            flag and not overwrite for flag, overwrite in zip(
-                self._float16_gradients(variables)
-                if self.loss_scaling is not None and self.loss_scaling.active
-                and self._float16_gradients is not None
-                else [False] * len(variables), self.overwrite)]
+        self.float16_flags = (
+            self._float16_gradients(variables)
+            if self.loss_scaling is not None and self.loss_scaling.active
+            and self._float16_gradients is not None
+            else [False] * len(variables))
         # Where each layer's moving statistics sit among the non-trainable
         # variables follows which weights are trainable now.
         self.statistics = PooledStatistics(model)

@@ -268,9 +268,10 @@ class TensorFlowAccumulation(WindowLifecycle):
             samples, window.strategy,
             exact=not self.settings.flush_each_epoch,
         )
-        window.add(gradients, weight, samples, has_data, loss, statistics)
-        self.window_end.end_if(tf.logical_and(
-            has_data, core_window.ends(window.state(gradient_sums=[]))))
+        added = window.add(gradients, weight, samples, has_data, loss,
+                           statistics)
+        self.window_end.end_if(tf.logical_and(has_data,
+                                              core_window.ends(added)))
 
     def apply_open_window(self):
         """Applies the gradients of the window still open, if any."""

@@ -198,6 +198,9 @@ class GradientWindow:
             loss: Scalar, the micro-batch's loss, or None if not tracked.
             statistics: List of `RecordedStatistics`, one per statistics
                 call of the window.
+
+        Returns:
+            The state's scalars as written (its gradient sums left out).
         """
         # A variable keeps its gradient once any micro step gave it one (in
         # eager mode each step reports its own; a trace reports them all).
@@ -239,6 +242,7 @@ class GradientWindow:
                                               samples, TF_OPS)
         self.write(new, old)
         self.statistics.add(statistics)
+        return new
 
     def set_length(self, length):
         """Sets the window length from the next window boundary (eagerly).

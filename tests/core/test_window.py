@@ -261,8 +261,10 @@ def test_the_float16_verdict_is_the_large_batchs(largest, fits):
         weight_sum=np.float32(8.0))
     assert bool(window.fits_float16(config, state, np.float32(1.0),
                                     OPS)) is fits
-    # Only the flagged variables count.
+    # Only the flagged variables count, and not one Keras overwrites.
     assert window.fits_float16(_config(), state, np.float32(1.0), OPS)
+    kept = window.WindowConfig(overwrite=(False, True), float16=(False, True))
+    assert window.fits_float16(kept, state, np.float32(1.0), OPS)
 
 
 # The noise scale --------------------------------------------------------------
