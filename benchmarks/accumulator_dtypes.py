@@ -12,10 +12,8 @@ Run: python benchmarks/accumulator_dtypes.py [--epochs 5] [--out DIR]
 
 import argparse
 import datetime
-import json
 import os
 import pathlib
-import platform
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -29,6 +27,8 @@ from train_digits import load_data  # noqa: E402
 from train_digits import max_weight_difference  # noqa: E402
 
 from accum_model import AccumulatingModel  # noqa: E402
+from harness import machine  # noqa: E402
+from harness import write_json  # noqa: E402
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 
@@ -105,8 +105,7 @@ def _page(markdown, command):
         "# What each accumulator_dtype costs",
         "",
         f"Command: `{command}`",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python "
-        f"{platform.python_version()}, keras {keras.__version__}",
+        f"Machine: {machine()}",
         f"Date: {datetime.date.today().isoformat()}",
         "",
         "The digits CNN of examples/train_digits.py, micro-batches of 16, "
@@ -131,9 +130,7 @@ def main(argv=None):
     print(markdown)
     if args.out:
         out = pathlib.Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "accumulator_dtypes.json").write_text(json.dumps(table,
-                                                                indent=1))
+        write_json(out / "accumulator_dtypes.json", table)
         (out / "accumulator_dtypes.md").write_text(
             _page(markdown, " ".join(["python", "benchmarks/accumulator_dtypes.py"]
                                      + sys.argv[1:])) + "\n")

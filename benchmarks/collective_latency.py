@@ -21,9 +21,7 @@ import subprocess
 import sys
 import time
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(_ROOT, "examples"))
-from multi_worker import free_ports  # noqa: E402
+from harness import free_ports
 
 SIZES = (1, 1_000, 100_000, 1_000_000, 4_200_000)  # float32 elements
 

@@ -17,9 +17,10 @@ import json
 import os
 import sys
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(_ROOT, "examples"))
-sys.path.insert(0, os.path.join(_ROOT, "tests"))
+from harness import collective_reductions
+from harness import free_ports
+from harness import plain_keras_class
+from harness import run_bounded
 
 
 def run_worker(index, ports):
@@ -29,18 +30,23 @@ def run_worker(index, ports):
     })
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import keras
+    import numpy as np
     import tensorflow as tf
-    from helpers import collective_reductions
-    from helpers import mlp
-    from helpers import regression_data
 
     from accum_model import AccumulatingModel
-    from multi_worker_bandwidth import plain_keras_class
 
     PlainKeras = plain_keras_class()
 
+    def mlp(model_class, **kwargs):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((6,))
+        hidden = keras.layers.Dense(8, activation="relu")(inputs)
+        return model_class(inputs, keras.layers.Dense(3)(hidden), **kwargs)
+
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    x, y = regression_data(samples=64)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 6)).astype("float32")
+    y = rng.normal(size=(64, 3)).astype("float32")
     counts = {}
     for name, model_class, keywords in (
         ("plain Keras", PlainKeras, {}),
@@ -89,9 +95,6 @@ def main():
     if len(sys.argv) == 4 and sys.argv[1] == "--worker":
         run_worker(int(sys.argv[2]), json.loads(sys.argv[3]))
         return
-    from multi_worker import free_ports
-    from multi_worker import run_bounded
-
     ports = free_ports(2)
     results = run_bounded([
         [sys.executable, os.path.abspath(__file__), "--worker", str(index),

@@ -34,7 +34,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -45,43 +44,18 @@ N_VALUES = (1, 2, 4, 8, 16)
 MICRO_BATCHES = 16  # per timed fit(): whole windows for every n above
 WIDTH = 2048
 LOCAL_MICRO_BATCH = 16  # per worker; the global micro-batch is twice that
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(_ROOT, "examples"))
-from multi_worker import free_ports  # noqa: E402
-from multi_worker import run_bounded  # noqa: E402
+from harness import ROOT
+from harness import collective_reductions
+from harness import commit
+from harness import free_ports
+from harness import machine
+from harness import plain_keras_class
+from harness import run_bounded
+from harness import traced_step
+from harness import write_json
 
 
 # One worker -------------------------------------------------------------------
-
-
-def plain_keras_class():
-    """`keras.Model` with the two work-arounds keras 3.15.1 needs to train
-    under two workers (imported when called, in a worker)."""
-    import keras
-
-    from accum_model.keras3 import training as keras3_training
-
-    class PlainKeras(keras.Model):
-        """Keras's own training step, patched to run under two workers.
-
-        keras 3.15.1's `keras.Model.fit` fails under two MWMS workers
-        before training (its symbolic build reduces a distributed batch,
-        and its log reduction cannot reduce scalars over workers; see
-        docs/distribution.md). These two work-arounds, the ones
-        AccumulatingModel uses, change neither the arithmetic nor the
-        gradient reductions.
-        """
-
-        def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-            if iterator is None:
-                return super()._maybe_symbolic_build(iterator, data_batch)
-            keras3_training.symbolic_build_from_local_batch(self, iterator)
-
-        def train_step(self, data):
-            return keras3_training.logs_for_reduction(
-                super().train_step(data), self.distribute_strategy)
-
-    return PlainKeras
 
 
 def run_worker(args):
@@ -158,13 +132,9 @@ def _reductions_per_step(model, strategy, x, y):
     """Collective reductions in one traced training step of `model`.
 
     "every_step" run on each micro-batch; "conditional" only when the step
-    ends a window. Counted by the helpers tests/test_communication.py
-    uses, so the benchmark and the test count the same thing.
+    ends a window. tests/test_communication.py counts with the same
+    functions.
     """
-    sys.path.insert(0, os.path.join(_ROOT, "tests"))
-    from helpers import collective_reductions
-    from helpers import traced_step
-
     local_replicas = len(strategy.extended.worker_devices)
     return collective_reductions(traced_step(model, strategy, x, y),
                                  local_replicas)
@@ -461,12 +431,10 @@ def main(argv=None):
     results["_run"] = {
         "command": "python " + " ".join(
             [os.path.relpath(__file__)] + sys.argv[1:]),
-        "machine": (f"{platform.machine()}, {os.cpu_count()} cores ("
-                    + ("shared by the workers" if args.no_pin
-                       else "one per worker")
-                    + f"), Python {platform.python_version()}"),
+        "machine": machine("shared by the workers" if args.no_pin
+                           else "one per worker"),
         "date": datetime.date.today().isoformat(),
-        "accum_model": _package_commit(args.package_path or _ROOT),
+        "accum_model": commit(args.package_path or ROOT),
     }
     first = next((s for s in _links(results).values()
                   if "reductions" in s), None)
@@ -477,19 +445,10 @@ def main(argv=None):
     return 0
 
 
-def _package_commit(path):
-    """The commit of the checkout at `path`, or "unknown"."""
-    result = subprocess.run(["git", "-C", path, "rev-parse", "--short",
-                             "HEAD"], capture_output=True, text=True)
-    return result.stdout.strip() or "unknown"
-
-
 def write_results(results, out, name="multi_worker_bandwidth"):
     markdown = to_markdown(results)
     print(markdown)
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, name + ".json"), "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(os.path.join(out, name + ".json"), results)
     with open(os.path.join(out, name + ".md"), "w") as f:
         f.write(markdown + "\n")
     plot(results, os.path.join(out, name + ".png"))

@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -30,6 +29,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from accum_model import AccumulatingModel  # noqa: E402
+from harness import machine  # noqa: E402
+from harness import write_json  # noqa: E402
 from run_benchmarks import MICRO_BATCH  # noqa: E402
 from run_benchmarks import build  # noqa: E402
 from run_benchmarks import data  # noqa: E402
@@ -198,19 +199,14 @@ def main():
     micro_batches = 8 if args.quick else 48
     results = {
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-                   f"intra-op threads {args.intra_op_threads}",
-        "tensorflow": tf.__version__,
-        "keras": keras.__version__,
+        "machine": machine(f"intra-op threads {args.intra_op_threads}"),
         "command": "python " + " ".join(sys.argv),
         "rounds": rounds,
         "cost": {name: cost(name, rounds, micro_batches)
                  for name in ("mlp", "cnn", "lstm")},
         "digits": digits_reading(2 if args.quick else args.epochs),
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(json_path, "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(json_path, results)
     report(results, args.out)
     plot(results, os.path.join(args.out, "noise_scale.png"))
 

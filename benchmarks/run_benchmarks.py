@@ -28,7 +28,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -56,6 +55,9 @@ if BACKEND == "tensorflow":
     import tensorflow as tf  # noqa: E402
 
 from accum_model import AccumulatingModel  # noqa: E402
+from harness import backend_version  # noqa: E402
+from harness import machine  # noqa: E402
+from harness import write_json  # noqa: E402
 
 MICRO_BATCH = 32
 N_GRADIENTS = 4
@@ -427,27 +429,24 @@ def _gpu_machine():
         gpus = [d for d in jax.devices() if d.platform == "gpu"]
         if not gpus:
             sys.exit("--device gpu: JAX sees no GPU on this machine")
-        name, stack = gpus[0].device_kind, f"jax {jax.__version__}"
+        name = gpus[0].device_kind
     elif BACKEND == "torch":
         if not torch.cuda.is_available():
             sys.exit("--device gpu: PyTorch sees no GPU on this machine")
         name = torch.cuda.get_device_name(0)
-        stack = f"torch {torch.__version__}"
     else:
         gpus = tf.config.list_physical_devices("GPU")
         if not gpus:
             sys.exit("--device gpu: TensorFlow sees no GPU on this machine")
         details = tf.config.experimental.get_device_details(gpus[0])
         name = details.get("device_name", "GPU")
-        stack = f"tensorflow {tf.__version__}"
-    return (f"{name}, {stack}, keras {keras.__version__}, Python "
-            f"{platform.python_version()}")
+    return f"{name}, {backend_version()}, keras {keras.__version__}"
 
 
-def gpu_report(results, machine, command, out):
+def gpu_report(results, gpu, command, out):
     lines = [
         "# accum_model GPU benchmark", "",
-        f"Machine: {machine}", f"Command: `{command}`", "",
+        f"Machine: {gpu}", f"Command: `{command}`", "",
         "ResNet-50 (weights=None) on synthetic images, and keras-hub's "
         "GPT2CausalLM (GPT-2 small from a config) on random sequences of "
         "512 tokens; SGD with momentum; each row a fresh process; time "
@@ -472,9 +471,8 @@ def gpu_report(results, machine, command, out):
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "gpu_results.md"), "w") as f:
         f.write(text)
-    with open(os.path.join(out, "gpu_results.json"), "w") as f:
-        json.dump({"machine": machine, "command": command,
-                   "results": results}, f, indent=2)
+    write_json(os.path.join(out, "gpu_results.json"),
+               {"machine": gpu, "command": command, "results": results})
     print(text)
 
 
@@ -558,8 +556,7 @@ def report(results, out):
     text = "\n".join(lines)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text)
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(results, f, indent=2)
+    write_json(os.path.join(out, "results.json"), results)
     print(text)
     plot(results, os.path.join(out, "results.png"))
 
@@ -666,10 +663,10 @@ def main():
     if args.backend != "tensorflow" and args.out == DEFAULT_OUT:
         args.out = os.path.join(DEFAULT_OUT, args.backend)
     if args.device == "gpu":
-        machine = _gpu_machine()
+        gpu = _gpu_machine()
         os.makedirs(args.out, exist_ok=True)
         results = gpu_suite(args)
-        gpu_report(results, machine, "python " + " ".join(
+        gpu_report(results, gpu, "python " + " ".join(
             [os.path.relpath(__file__)] + sys.argv[1:]), args.out)
         return
     # One intra-op thread: with TensorFlow's default pools, times on a
@@ -688,11 +685,7 @@ def main():
     rounds = args.rounds or rounds
     os.makedirs(args.out, exist_ok=True)
     results = {
-        "machine": (f"{platform.processor() or platform.machine()}, "
-                    f"{os.cpu_count()} cores, Python "
-                    f"{platform.python_version()}, {_backend_version()}, "
-                    f"keras {keras.__version__}, "
-                    f"{args.intra_op_threads} intra-op thread(s)"),
+        "machine": machine(f"{args.intra_op_threads} intra-op thread(s)"),
         "command": "python " + " ".join(
             [os.path.relpath(__file__)] + sys.argv[1:]
         ),
@@ -710,16 +703,6 @@ def main():
     print("memory ...", flush=True)
     results["memory"] = memory(large_batch=64 if args.quick else 256, n=8)
     report(results, args.out)
-
-
-def _backend_version():
-    if BACKEND == "jax":
-        import jax
-
-        return f"jax {jax.__version__}"
-    if BACKEND == "torch":
-        return f"torch {torch.__version__}"
-    return f"tensorflow {tf.__version__}"
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ Run: python benchmarks/stacked_batch_norm.py [--models mobilenet_v2 resnet]
 """
 
 import argparse
-import contextlib
 import os
 import time
 import warnings
@@ -88,20 +87,19 @@ def batch_norms(model):
 
 def train(build, kind, x, y, micro_batch, n_gradients, learning_rate,
           epochs):
-    context = (micro_batch_updates if kind == "micro-batch updates"
-               else contextlib.nullcontext)
-    with context():
-        if kind == "large batch":
-            model, batch_size = build(keras.Model), micro_batch * n_gradients
-        else:
-            model = build(AccumulatingModel, n_gradients=n_gradients)
-            batch_size = micro_batch
-        model.compile(optimizer=keras.optimizers.SGD(learning_rate),
-                      loss="sparse_categorical_crossentropy")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model.fit(x, y, batch_size=batch_size, epochs=epochs,
-                      shuffle=False, verbose=0)
+    if kind == "large batch":
+        model, batch_size = build(keras.Model), micro_batch * n_gradients
+    else:
+        model = build(AccumulatingModel, n_gradients=n_gradients)
+        batch_size = micro_batch
+    if kind == "micro-batch updates":
+        micro_batch_updates(model)
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate),
+                  loss="sparse_categorical_crossentropy")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.fit(x, y, batch_size=batch_size, epochs=epochs,
+                  shuffle=False, verbose=0)
     return model
 
 

@@ -1,12 +1,22 @@
 """Models, data and comparisons shared by the tests."""
 
 import contextlib
+import pathlib
 import re
+import sys
 
 import keras
 import numpy as np
 
 from accum_model import AccumulatingModel
+
+# The benchmarks count collectives with the same functions.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent
+                       / "benchmarks"))
+import harness  # noqa: E402
+
+collective_reductions = harness.collective_reductions
+traced_step = harness.traced_step
 
 
 def regression_data(samples=100, features=6, outputs=3, seed=0):
@@ -145,39 +155,6 @@ def batch_norm_mlp(model_class, **kwargs):
     hidden = keras.layers.Dense(8)(inputs)
     hidden = keras.layers.BatchNormalization()(hidden)
     return model_class(inputs, keras.layers.Dense(3)(hidden), **kwargs)
-
-
-def traced_step(model, strategy, x, y):
-    """The GraphDef of one training step, as `fit()` would run it."""
-    import tensorflow as tf
-
-    model.make_train_function()
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
-    element = next(iter(strategy.experimental_distribute_dataset(dataset)))
-    step = tf.function(lambda data: strategy.run(model.train_step, (data,)))
-    return step.get_concrete_function(element).graph.as_graph_def()
-
-
-def collective_reductions(graph_def, num_replicas):
-    """Counts reductions run on every step and those under a condition.
-
-    Each replica runs its own collective op for one reduction, so ops are
-    divided by the number of replicas.
-    """
-    library = {f.signature.name: f for f in graph_def.library.function}
-    counts = {"every_step": 0, "conditional": 0}
-
-    def visit(nodes, conditional):
-        for node in nodes:
-            if node.op.startswith(("Collective", "Nccl")):
-                counts["conditional" if conditional else "every_step"] += 1
-            for key in ("then_branch", "else_branch", "f", "body", "cond"):
-                if key in node.attr and node.attr[key].func.name:
-                    visit(library[node.attr[key].func.name].node_def,
-                          conditional or key.endswith("_branch"))
-
-    visit(graph_def.node, False)
-    return {k: v / num_replicas for k, v in counts.items()}
 
 
 def compiled_jax_step(model, distribution, x, y, batch_size=8):
