@@ -19,7 +19,6 @@ import weakref
 import keras
 import numpy as np
 from keras import ops
-from keras import optimizers
 from keras.src.saving.keras_saveable import KerasSaveable
 
 from accum_model.core import arithmetic
@@ -27,9 +26,9 @@ from accum_model.core import checkpoint_layout as layout
 from accum_model.core import window as core_window
 from accum_model.core.lifecycle import WindowLifecycle
 from accum_model.core.messages import window_is_open
-from accum_model.core.optimizer_duties import OptimizerDuties
 from accum_model.core.variables import is_overwritten_with_gradient
 from accum_model.keras3 import learning_rate
+from accum_model.keras3.optimizer import Keras3LossScaling
 from accum_model.keras3.stateless_normalization import PooledStatistics
 from accum_model.keras3.stateless_ops import KERAS_OPS
 
@@ -355,52 +354,19 @@ def end_window(accumulation, operands):
                     lambda: update(operands), lambda: skip(operands))
 
 
-class StatelessLossScaling(OptimizerDuties):
-    """The compiled optimizer's duties on JAX and PyTorch, taken apart for
-    windows.
+class StatelessLossScaling(Keras3LossScaling):
+    """The compiled optimizer's duties on JAX and PyTorch.
 
-    Each micro step scales its loss by the `LossScaleOptimizer`'s dynamic
-    scale S times its share of the window (1/n), and unscales its
-    gradients by the same, read from the step's own optimizer values. The
+    The micro steps scale and unscale as on every Keras 3 backend. The
     window end hands the `LossScaleOptimizer` the window's mean gradient
     scaled by S again, or inf where the window overflowed (a non-finite
     sum, or a float16 weight gradient whose sum the large batch could not
     hold): its own `stateless_apply` then unscales and applies, or skips,
-    and moves the scale, exactly as after one large batch. A static
-    `loss_scale_factor` multiplies the loss and the optimizer divides it
-    out. Reads `dynamic_scale` (public), checked on keras 3.15.1.
+    and moves the scale, exactly as after one large batch.
 
     Args:
         optimizer: The compiled optimizer, a `LossScaleOptimizer` or not.
     """
-
-    counts_skipped_steps = False
-
-    def __init__(self, optimizer):
-        super().__init__(optimizer, optimizers.LossScaleOptimizer)
-
-    def current_scale(self):
-        """S, read inside the step's `StatelessScope` (its traced value)."""
-        return ops.cast(
-            keras.ops.convert_to_tensor(self.loss_scale_optimizer
-                                        .dynamic_scale), "float32")
-
-    def scale_loss(self, loss, share=1.0):
-        factor = getattr(self.update_optimizer, "loss_scale_factor", None)
-        if factor is not None:
-            loss = loss * factor
-        if not self.active:
-            return loss
-        return loss * ops.cast(self.current_scale() * share, loss.dtype)
-
-    def unscale_gradients(self, gradients, variables=None, share=1.0):
-        if not self.active:
-            return gradients
-        keep = [is_overwritten_with_gradient(v)
-                for v in (variables or [None] * len(gradients))]
-        factor = 1.0 / (self.current_scale() * share)
-        return [g if kept else g * ops.cast(factor, g.dtype)
-                for g, kept in zip(gradients, keep)]
 
     def scale_index(self):
         """Where S sits among the optimizer's variables."""
