@@ -14,8 +14,12 @@ the statistics once, when it ends (`pooled_moving_statistics`), whether
 its update is applied or skipped for overflow, as the large batch's
 forward pass would.
 
-A layer called more than once in one step moves its own statistics on
-each micro-batch (warned once).
+A layer called several times in one step pools each call apart and moves
+once per call, in call order, as one step of the large batch would (and as
+on TensorFlow). The state's shape is settled before the step is traced, so
+the number of calls is read from the model's functional graph
+(`calls_in_graph`); a layer the step calls a number of times the graph
+does not show moves its own statistics on each micro-batch (warned once).
 """
 
 import contextlib
@@ -28,6 +32,7 @@ from keras import ops
 from accum_model.core import arithmetic
 from accum_model.keras3.stateless_ops import KERAS_OPS
 from accum_model.keras3.normalization import pools_moving_statistics
+from accum_model.keras3.training import calls_in_graph
 from accum_model.keras3.training import layers_of
 
 class PooledStatistics:
@@ -46,14 +51,20 @@ class PooledStatistics:
             (position[id(layer.moving_mean)],
              position[id(layer.moving_variance)])
             for layer in self.layers]
-        # Which layers the traced step found called exactly once (static).
+        graph = calls_in_graph(model)
+        # Calls of each layer per step; its sums are `calls` consecutive
+        # entries of the window's, from `self._first[i]`.
+        self.calls = [graph.get(id(layer), 1) for layer in self.layers]
+        self._first = [sum(self.calls[:i]) for i in range(len(self.layers))]
+        # Which layers the traced step called as often as expected (static).
         self.pooled = [True] * len(self.layers)
         self._warned = False
 
     def empty_sums(self):
-        """One float32 [3, channels] array of zeros per layer."""
+        """One float32 [3, channels] array of zeros per call of a layer."""
         return [ops.zeros([3, int(layer.moving_mean.shape[0])], "float32")
-                for layer in self.layers]
+                for layer, calls in zip(self.layers, self.calls)
+                for _ in range(calls)]
 
     @contextlib.contextmanager
     def recording(self):
@@ -73,22 +84,29 @@ class PooledStatistics:
                 vars(layer).pop("_moments", None)
 
     def moments_of(self, records):
-        """Each layer's recorded moments, or None where it is not pooled
-        (not called in training, or called more than once), from the
-        records of the traced step; notes which layers are pooled."""
-        self.pooled = [len(calls) == 1 for calls in records]
-        repeated = [layer.name for layer, calls in zip(self.layers, records)
-                    if len(calls) > 1]
-        if repeated and not self._warned:
+        """Each layer's recorded moments, a list with one
+        `(count, mean, variance)` per call, or None where it is not pooled
+        (not called in training, or called a number of times its graph does
+        not show), from the records of the traced step; notes which layers
+        are pooled."""
+        self.pooled = [len(calls) == expected
+                       for calls, expected in zip(records, self.calls)]
+        unexpected = [f"{layer.name} (called {len(calls)} times, "
+                      f"{expected} in its graph)"
+                      for layer, calls, expected in zip(self.layers, records,
+                                                        self.calls)
+                      if calls and len(calls) != expected]
+        if unexpected and not self._warned:
             self._warned = True
             warnings.warn(
-                f"BatchNormalization layers called more than once in a "
-                f"training step move their moving statistics on each "
-                f"micro-batch on {keras.backend.backend()}: {repeated}. The "
-                "TensorFlow backend "
-                "pools them per call.", stacklevel=2)
-        return [tuple(ops.stop_gradient(value) for value in calls[0])
-                if pooled else None
+                "BatchNormalization layers called a number of times their "
+                "model's functional graph does not show move their moving "
+                "statistics on each micro-batch on "
+                f"{keras.backend.backend()}: {', '.join(unexpected)}. Call "
+                "such a layer from a functional model (or train on "
+                "TensorFlow, which pools every call).", stacklevel=2)
+        return [[tuple(ops.stop_gradient(value) for value in call)
+                 for call in calls] if pooled else None
                 for calls, pooled in zip(records, self.pooled)]
 
     def kept_values(self, model):
@@ -122,17 +140,18 @@ class PooledStatistics:
 
     def added(self, sums, moments, non_trainable):
         """The window's sums with a micro-batch's moments added."""
-        added = []
-        for total, recorded, (mean_at, _) in zip(sums, moments,
+        added = list(sums)
+        for first, recorded, (mean_at, _) in zip(self._first, moments,
                                                  self._positions):
-            if recorded is None:
-                added.append(total)
-                continue
-            count, mean, variance = recorded
+            # Shifted by the moving mean the window started with (a
+            # pooled layer's stays put until the window ends).
             shift = ops.cast(non_trainable[mean_at], "float32")
-            added.append(total + ops.stack(arithmetic.statistics_terms(
-                count, ops.cast(mean, "float32"),
-                ops.cast(variance, "float32"), shift, KERAS_OPS)))
+            for index, (count, mean, variance) in enumerate(recorded or (),
+                                                            start=first):
+                added[index] = added[index] + ops.stack(
+                    arithmetic.statistics_terms(
+                        count, ops.cast(mean, "float32"),
+                        ops.cast(variance, "float32"), shift, KERAS_OPS))
         return added
 
     def moved(self, sums, non_trainable, ends=True):
@@ -142,19 +161,22 @@ class PooledStatistics:
         non_trainable = list(non_trainable)
         if ends is False:
             return non_trainable
-        for layer, total, (mean_at, variance_at), pooled in zip(
-                self.layers, sums, self._positions, self.pooled):
+        for layer, first, calls, (mean_at, variance_at), pooled in zip(
+                self.layers, self._first, self.calls, self._positions,
+                self.pooled):
             if not pooled:
                 continue
             old_mean = non_trainable[mean_at]
             old_variance = non_trainable[variance_at]
             # The sums were shifted by the moving mean the window started
-            # with, which is still the moving mean now.
+            # with, which is still the moving mean now; each call moves
+            # from where the one before it left the statistics.
             shift = ops.cast(old_mean, "float32")
-            mean, variance = arithmetic.pooled_moving_statistics(
-                total[0], total[1], total[2], shift, shift,
-                ops.cast(old_variance, "float32"),
-                float(layer.momentum), KERAS_OPS)
+            mean, variance = shift, ops.cast(old_variance, "float32")
+            for total in sums[first:first + calls]:
+                mean, variance = arithmetic.pooled_moving_statistics(
+                    total[0], total[1], total[2], shift, mean, variance,
+                    float(layer.momentum), KERAS_OPS)
             mean = ops.cast(mean, old_mean.dtype)
             variance = ops.cast(variance, old_variance.dtype)
             if ends is not True:

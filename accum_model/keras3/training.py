@@ -46,3 +46,27 @@ def model_keyword_arguments(functional):
 def layers_of(model):
     """The model and every layer in it (private `Layer._flatten_layers`)."""
     return [model] + list(model._flatten_layers(include_self=False))
+
+def calls_in_graph(model):
+    """How many times one call of `model` calls each layer, where its
+    functional graphs show it: `{id(layer): calls}`.
+
+    Walks the private `_nodes_by_depth` of a `Functional` (and the
+    `_functional` a built `Sequential` runs), into nested ones; a layer
+    called from inside another kind of layer is not counted. Checked on
+    keras 3.6.0, 3.10.0 and 3.15.1.
+    """
+    counts = {}
+
+    def walk(graph, times):
+        graph = getattr(graph, "_functional", None) or graph
+        for nodes in getattr(graph, "_nodes_by_depth", {}).values():
+            for node in nodes:
+                layer = node.operation
+                if layer is None or node.is_input:
+                    continue
+                counts[id(layer)] = counts.get(id(layer), 0) + times
+                walk(layer, times)
+
+    walk(model, 1)
+    return counts
