@@ -1187,7 +1187,10 @@ def test_window_from_noise_scale_sizes_the_window_and_learning_rate(
          + 2.0 * rng.normal(size=8192)).astype("float32")[:, None]
     model = _noise_regression(AccumulatingModel, n_gradients=2,
                               measure_noise_scale=True)
-    model.compile(optimizer=make_optimizer(), loss="mse")
+    # Many steps per execution: thousands of micro-batches, each costing
+    # Python's overhead otherwise.
+    model.compile(optimizer=make_optimizer(), loss="mse",
+                  steps_per_execution=64)
     history = model.fit(x, y, batch_size=4, epochs=3, verbose=0, callbacks=[
         WindowFromNoiseScale(learning_rate="linear")]).history
     for noise, window, rate in zip(history["smoothed_noise_scale"],
@@ -1289,7 +1292,8 @@ def test_window_from_noise_scale_resumes_with_backup_and_restore(
                                   measure_noise_scale=True)
         rate = (keras.optimizers.schedules.ExponentialDecay(2e-4, 1000, 0.5)
                 if schedule else 2e-4)
-        model.compile(optimizer=keras.optimizers.SGD(rate), loss="mse")
+        model.compile(optimizer=keras.optimizers.SGD(rate), loss="mse",
+                      steps_per_execution=64)
         return model, model.fit(
             x, y, batch_size=4, epochs=4, shuffle=False, verbose=0,
             callbacks=[WindowFromNoiseScale(learning_rate="linear")]
