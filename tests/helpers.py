@@ -5,10 +5,11 @@ import pathlib
 import re
 import sys
 
-import keras
 import numpy as np
 
 from accum_model import AccumulatingModel
+# The Keras the model trains with: Keras 3, or Keras 2 for tests/test_keras2.py.
+from accum_model._chooser import keras
 
 # The benchmarks count collectives with the same functions.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent
@@ -37,11 +38,13 @@ def classification_data(samples=100, features=6, classes=4, seed=0):
 
 
 def mlp(model_class, n_gradients=None, features=6, outputs=3, seed=1,
-        activation=None, **kwargs):
-    """A two-layer perceptron built with the functional API of `model_class`."""
+        activation=None, regularizer=None, **kwargs):
+    """A two-layer perceptron built with the functional API of `model_class`
+    (`regularizer` on its hidden kernel)."""
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((features,))
-    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    hidden = keras.layers.Dense(8, activation="tanh",
+                                kernel_regularizer=regularizer)(inputs)
     predictions = keras.layers.Dense(outputs, activation=activation)(hidden)
     if n_gradients is not None:
         kwargs["n_gradients"] = n_gradients

@@ -17,6 +17,11 @@ from accum_model import AccumulatingModel
 from accum_model import _chooser
 from accum_model import accumulating
 from helpers import collective_reductions
+from helpers import fit_both
+from helpers import iterations
+from helpers import max_weight_difference
+from helpers import mlp
+from helpers import regression_data
 from helpers import traced_step
 
 pytestmark = pytest.mark.skipif(
@@ -46,62 +51,6 @@ def keras_2_float32_policy():
     keras.mixed_precision.set_global_policy("float32")
     yield
     keras.mixed_precision.set_global_policy("float32")
-
-
-def regression_data(samples=100, features=6, outputs=3, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(samples, features)).astype("float32")
-    w = rng.normal(size=(features, outputs)).astype("float32")
-    y = np.tanh(x @ w) + 0.1 * rng.normal(size=(samples, outputs))
-    return x, y.astype("float32")
-
-
-def mlp(model_class, regularized=False, **kwargs):
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((6,))
-    hidden = keras.layers.Dense(
-        8, activation="tanh",
-        kernel_regularizer=keras.regularizers.L2(0.1) if regularized else None,
-    )(inputs)
-    outputs = keras.layers.Dense(3)(hidden)
-    return model_class(inputs=inputs, outputs=outputs, **kwargs)
-
-
-def iterations(model):
-    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
-    return int(optimizer.iterations.numpy())
-
-
-def max_weight_difference(model_a, model_b):
-    return max(
-        float(np.max(np.abs(a - b)))
-        for a, b in zip(model_a.get_weights(), model_b.get_weights())
-    )
-
-
-def fit_both(make_optimizer, x, y, micro_batch=8, n_gradients=4, epochs=2,
-             build=mlp, strategy=None, loss="mse", fit_kwargs=None):
-    """Plain Keras 2 on batches of n*b; an AccumulatingModel on b."""
-    fit_kwargs = fit_kwargs or {}
-    plain = build(keras.Model)
-    plain.compile(optimizer=make_optimizer(), loss=loss)
-    plain.fit(x, y, batch_size=micro_batch * n_gradients, epochs=epochs,
-              shuffle=False, verbose=0, **fit_kwargs)
-    scope = strategy.scope() if strategy else _no_scope()
-    with scope:
-        model = build(AccumulatingModel, n_gradients=n_gradients)
-        model.compile(optimizer=make_optimizer(), loss=loss)
-    model.fit(x, y, batch_size=micro_batch, epochs=epochs, shuffle=False,
-              verbose=0, **fit_kwargs)
-    return plain, model
-
-
-class _no_scope:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # Contract ---------------------------------------------------------------
@@ -158,7 +107,7 @@ def test_loss_without_reduction_is_refused_before_training():
 def test_window_equals_the_large_batch(name):
     # 100 samples: the last micro-batch of each epoch holds 4 samples.
     x, y = regression_data(samples=100)
-    plain, model = fit_both(OPTIMIZERS[name], x, y)
+    plain, model = fit_both(mlp, OPTIMIZERS[name], x, y, 8, 4)
     assert iterations(model) == iterations(plain) == 8
     assert max_weight_difference(plain, model) <= TOLERANCE
 
@@ -166,8 +115,7 @@ def test_window_equals_the_large_batch(name):
 def test_sample_weights_equal_the_large_batch():
     x, y = regression_data(samples=100)
     weights = np.random.default_rng(3).uniform(0, 2, size=100)
-    plain, model = fit_both(OPTIMIZERS["adam"], x, y,
-                            fit_kwargs={"sample_weight": weights})
+    plain, model = fit_both(mlp, OPTIMIZERS["adam"], x, y, 8, 4, fit_kwargs={"sample_weight": weights})
     assert max_weight_difference(plain, model) <= TOLERANCE
 
 
@@ -189,8 +137,7 @@ def test_sum_reduction_equals_the_large_batch():
     x, y = regression_data(samples=96)
     loss = keras.losses.MeanSquaredError(reduction="sum")
     # A summed loss has gradients ~100x the mean's: a smaller step.
-    plain, model = fit_both(lambda: keras.optimizers.SGD(0.001), x, y,
-                            loss=loss)
+    plain, model = fit_both(mlp, lambda: keras.optimizers.SGD(0.001), x, y, 8, 4, loss=loss)
     assert max_weight_difference(plain, model) <= TOLERANCE
 
 
@@ -218,8 +165,7 @@ def test_a_scalar_loss_declared_a_sum_equals_the_large_batch():
     x, y = regression_data(samples=96)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        plain, model = fit_both(lambda: keras.optimizers.SGD(0.001), x, y,
-                                loss=_ScalarSum(reduction="sum"))
+        plain, model = fit_both(mlp, lambda: keras.optimizers.SGD(0.001), x, y, 8, 4, loss=_ScalarSum(reduction="sum"))
     assert max_weight_difference(plain, model) <= TOLERANCE
 
 
@@ -243,8 +189,7 @@ def _masked_lstm(model_class, **kwargs):
 
 def test_masked_sequences_weigh_micro_batches_by_valid_steps():
     x, y = _padded_sequences()
-    plain, model = fit_both(OPTIMIZERS["sgd"], x, y, micro_batch=6,
-                            n_gradients=4, build=_masked_lstm)
+    plain, model = fit_both(_masked_lstm, OPTIMIZERS["sgd"], x, y, 6, 4)
     assert iterations(model) == iterations(plain) == 4
     assert max_weight_difference(plain, model) <= TOLERANCE
 
@@ -346,11 +291,9 @@ def test_own_train_step_accumulates_like_the_large_batch(replicas,
                                                         two_replicas):
     x, y = regression_data(samples=100)
     strategy = two_replicas if replicas == 2 else None
-    plain, model = fit_both(OPTIMIZERS["adam"], x, y,
-                            build=lambda cls, **kw: mlp(
+    plain, model = fit_both(lambda cls, **kw: mlp(
                                 _TapeStep if cls is AccumulatingModel
-                                else cls, **kw),
-                            strategy=strategy)
+                                else cls, **kw), OPTIMIZERS["adam"], x, y, 8, 4, strategy=strategy)
     assert iterations(model) == iterations(plain) == 8
     assert max_weight_difference(plain, model) <= TOLERANCE
 
@@ -499,7 +442,7 @@ def test_validation_sees_the_epochs_last_window():
 def test_two_replicas_equal_one_device_large_batch(name, two_replicas):
     # The last micro-batch (4 samples) splits 2 + 2.
     x, y = regression_data(samples=100)
-    plain, model = fit_both(OPTIMIZERS[name], x, y, strategy=two_replicas)
+    plain, model = fit_both(mlp, OPTIMIZERS[name], x, y, 8, 4, strategy=two_replicas)
     assert iterations(model) == iterations(plain) == 8
     assert max_weight_difference(plain, model) <= TOLERANCE
 
@@ -517,23 +460,20 @@ def test_one_reduction_per_window_under_replicas(name, two_replicas):
 
 
 def _regularized_mlp(model_class, **kwargs):
-    return mlp(model_class, regularized=True, **kwargs)
+    return mlp(model_class, regularizer=keras.regularizers.L2(0.1), **kwargs)
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_regularization_is_added_once_per_window(replicas, two_replicas):
     x, y = regression_data(samples=100)
     strategy = two_replicas if replicas == 2 else None
-    plain, model = fit_both(OPTIMIZERS["adam"], x, y, build=_regularized_mlp,
-                            strategy=strategy)
+    plain, model = fit_both(_regularized_mlp, OPTIMIZERS["adam"], x, y, 8, 4, strategy=strategy)
     assert max_weight_difference(plain, model) <= TOLERANCE
 
 
 def test_masked_sequences_under_two_replicas(two_replicas):
     x, y = _padded_sequences()
-    plain, model = fit_both(OPTIMIZERS["sgd"], x, y, micro_batch=6,
-                            n_gradients=4, build=_masked_lstm,
-                            strategy=two_replicas)
+    plain, model = fit_both(_masked_lstm, OPTIMIZERS["sgd"], x, y, 6, 4, strategy=two_replicas)
     assert max_weight_difference(plain, model) <= TOLERANCE
 
 
@@ -595,15 +535,15 @@ def test_mixed_float16_equals_the_mixed_large_batch(name, replicas,
                                                     two_replicas):
     x, y = regression_data(samples=96)
     strategy = two_replicas if replicas == 2 else None
-    plain, model = _under_mixed_float16(fit_both, OPTIMIZERS[name], x, y,
-                                        strategy=strategy)
+    plain, model = _under_mixed_float16(fit_both, mlp, OPTIMIZERS[name], x,
+                                        y, 8, 4, strategy=strategy)
     assert isinstance(model.optimizer,
                       keras.mixed_precision.LossScaleOptimizer)
     assert iterations(model) == iterations(plain) == 6
     # float16 rounds the large batch's own gradient: its distance from
     # float32 sets the scale of "equal". A gradient left scaled, or scaled
     # twice, misses it by orders of magnitude.
-    float32_plain, _ = fit_both(OPTIMIZERS[name], x, y)
+    float32_plain, _ = fit_both(mlp, OPTIMIZERS[name], x, y, 8, 4)
     rounding = max_weight_difference(plain, float32_plain)
     assert max_weight_difference(plain, model) <= 2 * rounding + 1e-6
     assert float(model.optimizer.loss_scale) == float(plain.optimizer.loss_scale)
@@ -877,7 +817,8 @@ def test_layers_that_add_losses_are_named():
     model.compile(optimizer="sgd", loss="mse")
     assert [m for m in _fit_user_warnings(model, x, y)
             if "Layers ['penalty'] add losses" in m]
-    quiet = mlp(AccumulatingModel, regularized=True, n_gradients=2)
+    quiet = mlp(AccumulatingModel, regularizer=keras.regularizers.L2(0.1),
+                n_gradients=2)
     quiet.compile(optimizer="sgd", loss="mse")
     assert not [m for m in _fit_user_warnings(quiet, x, y) if "add_loss" in m]
 
@@ -998,7 +939,7 @@ def test_legacy_optimizers_under_replicas_are_refused_with_the_fix(
 
 def test_legacy_optimizers_on_one_device_stay_exact():
     x, y = regression_data(samples=97)
-    plain, model = fit_both(OPTIMIZERS["legacy_sgd_momentum"], x, y)
+    plain, model = fit_both(mlp, OPTIMIZERS["legacy_sgd_momentum"], x, y, 8, 4)
     assert iterations(model) == iterations(plain)
     assert max_weight_difference(plain, model) <= TOLERANCE
 

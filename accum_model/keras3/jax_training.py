@@ -24,7 +24,7 @@ gradient sums are laid out as their variables and XLA reduces the gradient
 across devices where it computes it, on every micro step.
 
 BatchNormalization layers' moving statistics are pooled over the window
-(`jax_normalization`). The open window is saved in Keras files, laid out
+(`stateless_normalization`). The open window is saved in Keras files, laid out
 as on TensorFlow.
 
 Not on JAX (each refused by name before training): another

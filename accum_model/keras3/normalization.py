@@ -6,7 +6,7 @@ Checked on keras 3.6.0, 3.10.0 and 3.15.1. Keras 3's `BatchNormalization`
 of a trainable layer without `renorm`, takes the batch's moments from its
 private `_moments(inputs, mask)` and then moves `moving_mean` and
 `moving_variance` once each; each backend's module (`tensorflow_normalization`,
-`jax_normalization`) records those moments and suppresses the moves.
+`stateless_normalization`) records those moments and suppresses the moves.
 """
 
 import keras
