@@ -143,6 +143,11 @@ class RestoredWindow:
         # or None.
         self.sizer_state = None
 
+    def has_state(self):
+        """Whether there is a window to save: built, or restored and
+        waiting for the model to build its own."""
+        return self._window_exists() or self._pending is not None
+
     def with_sizer_state(self, arrays):
         """`arrays` (a window to save) with the sizing callback's state."""
         if arrays is not None and self.sizer_state is not None:

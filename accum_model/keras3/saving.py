@@ -7,6 +7,7 @@ TF 2.21.0 (the tests that exercise each helper pass, `.ci/matrix`).
 from keras.src.models import cloning
 from keras.src.models.functional import functional_like_constructor
 from keras.src.saving import object_registration
+from keras.src.saving.keras_saveable import KerasSaveable
 
 from accum_model.core import class_tree
 from accum_model.core.patch import wrapped_for_good
@@ -65,3 +66,31 @@ def wrap_sequential_cloning(make_wrapper):
             with its signature, `(model, ...) -> clone`.
     """
     wrapped_for_good(cloning, "_clone_sequential_model", make_wrapper)
+
+
+class InKerasFiles(KerasSaveable):
+    """Puts a `core.checkpoint_layout.RestoredWindow` (the open window) in
+    Keras files: `save_weights`, `.keras`, `ModelCheckpoint`,
+    `BackupAndRestore`, on every backend.
+
+    `saving_lib._walk_saveable` visits every attribute of the model that is
+    a `KerasSaveable`, private ones last, and calls its `save_own_variables`
+    / `load_own_variables` with an entry of its own; a file without that
+    entry gives an empty one, and a model without the attribute never asks
+    for it (a plain `keras.Model` loads such a file). Nothing is stored
+    while no window exists, so the file stays what a plain model writes.
+    """
+
+    def _obj_type(self):
+        # Which of Keras's attribute skip-sets applies when the saver walks
+        # this object; it holds no Keras objects of its own.
+        return "Layer"
+
+    def save_own_variables(self, store):
+        if self.has_state():
+            for key, value in self.with_sizer_state(
+                    self.saved_state()).items():
+                store[key] = value
+
+    def load_own_variables(self, store):
+        self.restore_state({key: store[key] for key in store.keys()})

@@ -19,7 +19,6 @@ import weakref
 import keras
 import numpy as np
 from keras import ops
-from keras.src.saving.keras_saveable import KerasSaveable
 
 from accum_model.core import arithmetic
 from accum_model.core import checkpoint_layout as layout
@@ -29,6 +28,7 @@ from accum_model.core.messages import window_is_open
 from accum_model.core.variables import is_overwritten_with_gradient
 from accum_model.keras3 import learning_rate
 from accum_model.keras3.optimizer import Keras3LossScaling
+from accum_model.keras3.saving import InKerasFiles
 from accum_model.keras3.stateless_normalization import PooledStatistics
 from accum_model.keras3.stateless_ops import KERAS_OPS
 
@@ -375,12 +375,10 @@ class StatelessLossScaling(Keras3LossScaling):
                     if v is lso.dynamic_scale)
 
 
-class StatelessWindowCheckpoint(KerasSaveable, layout.RestoredWindow):
-    """The open window in Keras files (`save_weights`, `.keras`,
-    `ModelCheckpoint`, `BackupAndRestore`), laid out as on TensorFlow
+class StatelessWindowCheckpoint(InKerasFiles, layout.RestoredWindow):
+    """The open window in Keras files, laid out as on TensorFlow
     (`core.checkpoint_layout`): a file saved on either backend restores on
-    the other. Keras's saver visits this attribute of the model as it does
-    on TensorFlow (see `tensorflow_saving`).
+    the other.
 
     Args:
         accumulation: The `Accumulation` whose window is saved.
@@ -389,9 +387,6 @@ class StatelessWindowCheckpoint(KerasSaveable, layout.RestoredWindow):
     def __init__(self, accumulation):
         layout.RestoredWindow.__init__(self)
         self._accumulation = weakref.ref(accumulation)
-
-    def _obj_type(self):
-        return "Layer"
 
     def saved_state(self):
         """The window's arrays as a file holds them (`core.checkpoint_layout`),
@@ -406,14 +401,6 @@ class StatelessWindowCheckpoint(KerasSaveable, layout.RestoredWindow):
             {name: float(getattr(state, name)) for name in layout.COUNTERS},
             [ops.convert_to_numpy(s) for s in state.statistics_sums],
         )
-
-    def save_own_variables(self, store):
-        arrays = self.with_sizer_state(self.saved_state())
-        for key, value in (arrays or {}).items():
-            store[key] = value
-
-    def load_own_variables(self, store):
-        self.restore_state({key: store[key] for key in store.keys()})
 
     def _window_exists(self):
         return self._accumulation().window is not None

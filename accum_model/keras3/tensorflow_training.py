@@ -26,11 +26,11 @@ from accum_model.keras3 import losses
 from accum_model.keras3 import tensorflow_normalization as normalization
 from accum_model.keras3.adapter import Keras3Adapter
 from accum_model.keras3.tensorflow_optimizer import TensorFlowLossScaling
-from accum_model.keras3.tensorflow_saving import (
-    Keras3TensorFlowWindowCheckpoint)
+from accum_model.keras3.saving import InKerasFiles
 from accum_model.keras3.training import layers_of
 from accum_model.tensorflow import training as tf_training
 from accum_model.tensorflow.accumulation import TensorFlowAccumulation
+from accum_model.tensorflow.checkpoint import TensorFlowWindowCheckpoint
 from accum_model.tensorflow.ops import TF_SHAPES
 
 
@@ -162,6 +162,13 @@ def is_foreign_layer(value):
     return (isinstance(value, tf.Module)
             and hasattr(value, "trainable_weights")
             and not isinstance(value, keras.layers.Layer))
+
+
+class Keras3TensorFlowWindowCheckpoint(InKerasFiles,
+                                       TensorFlowWindowCheckpoint):
+    """The open window in Keras files and in TensorFlow checkpoints
+    (`tensorflow.checkpoint`). Checked on keras 3.6.0 / TF 2.16.2, 3.10.0 /
+    TF 2.18.1 and 3.15.1 / TF 2.21.0."""
 
 
 class TensorFlowAdapter(Keras3Adapter):

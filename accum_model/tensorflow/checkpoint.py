@@ -45,9 +45,6 @@ class TensorFlowWindowCheckpoint(SavedInTfCheckpoints, layout.RestoredWindow):
         accumulation = self._accumulation()
         return None if accumulation is None else accumulation.window
 
-    def has_state(self):
-        return self._window() is not None or self._pending is not None
-
     def saved_state(self):
         """The window as arrays: the same keys whether or not it exists."""
         window = self._window()
