@@ -253,6 +253,71 @@ def test_resume_in_the_middle_of_a_window_keeps_its_statistics(tmp_path):
     assert max_difference(statistics(plain), statistics(resumed)) <= TOLERANCE
 
 
+class _OutOfNameOrder:
+    """A subclassed model of two BatchNormalization layers, made and called
+    in the reverse of their names' order."""
+
+    def __init__(self, **kwargs):
+        super().__init__(name="out_of_order", **kwargs)
+        self.wide = keras.layers.BatchNormalization(name="b_norm")
+        self.narrow = keras.layers.BatchNormalization(name="a_norm")
+        self.head = keras.layers.Dense(1)
+
+    def call(self, inputs, training=None):
+        return self.head(keras.ops.concatenate(
+            [self.wide(inputs * 2.0, training=training),
+             self.narrow(inputs[:, :2], training=training)], axis=-1))
+
+
+class _PlainOutOfNameOrder(_OutOfNameOrder, keras.Model):
+    pass
+
+
+class _NormsOutOfNameOrder(_OutOfNameOrder, AccumulatingModel):
+    pass
+
+
+def _out_of_name_order(model_class, **kwargs):
+    keras.utils.set_random_seed(4)
+    return (_PlainOutOfNameOrder if model_class is keras.Model
+            else _NormsOutOfNameOrder)(**kwargs)
+
+
+def test_a_subclassed_model_pools_like_the_large_batch():
+    # Keras builds a subclassed model in its first training call, through
+    # a symbolic call of each layer whose moments are no micro-batch's.
+    x = (np.random.default_rng(1).normal(size=(64, 5)) + 1.0).astype(
+        "float32")
+    plain, model = large_batch_and_window(_out_of_name_order, x, x[:, :1], 4,
+                                          4)
+    for name in ("a_norm", "b_norm"):
+        assert max_difference(statistics(plain, name),
+                              statistics(model, name)) <= TOLERANCE
+
+
+def test_files_hold_the_statistics_in_the_order_of_the_layers_names():
+    # TensorFlow keeps the statistics in call order, JAX and PyTorch in the
+    # model's layer order; a file saved on one backend must restore on
+    # another, so files sort them by layer name: a_norm's [3, 2] (count,
+    # sum, sum of squares, shifted by the moving mean 0), then b_norm's.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 5)).astype("float32")
+    model = _NormsOutOfNameOrder(n_gradients=4)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    for step in range(2):
+        model.train_on_batch(x[4 * step:4 * step + 4],
+                             x[4 * step:4 * step + 4, :1])
+    saved = np.asarray(model._window_checkpoint.saved_state()["statistics"])
+
+    def block(values):
+        return np.stack([np.full(values.shape[1], len(values)),
+                         values.sum(axis=0), (values ** 2).sum(axis=0)])
+
+    expected = np.concatenate([block(x[:, :2]).ravel(),
+                               block(2.0 * x).ravel()])
+    np.testing.assert_allclose(saved, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_frozen_batch_normalization_stays_exact_and_still():
     x, y = image_data()
 

@@ -191,6 +191,35 @@ class RestoredWindow:
         raise NotImplementedError
 
 
+def file_order(layer_names):
+    """Where each of a window's statistics entries goes in a file: entries
+    sorted by their layer's name, a layer's calls in call order, so that
+    every backend writes and reads them alike (TensorFlow holds them in the
+    order the step calls the layers, JAX and PyTorch in the model's layer
+    order).
+
+    Args:
+        layer_names: The layer name of each entry, in the store's order.
+
+    Returns:
+        The store's indices of the entries, in file order.
+    """
+    return sorted(range(len(layer_names)), key=lambda i: (layer_names[i], i))
+
+
+def in_file_order(entries, order):
+    """`entries` (in the store's order) in file order."""
+    return [entries[i] for i in order]
+
+
+def in_store_order(entries, order):
+    """`entries` read in file order, back in the store's order."""
+    stored = [None] * len(order)
+    for entry, index in zip(entries, order):
+        stored[index] = entry
+    return stored
+
+
 def statistics_to_write(arrays, shapes, counters):
     """The saved batch statistics, one array of `shapes` per entry of the
     loading window (`read` arrays; `counters` as `window_to_write` gives).

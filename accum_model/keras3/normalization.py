@@ -10,6 +10,7 @@ private `_moments(inputs, mask)` and then moves `moving_mean` and
 """
 
 import keras
+from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
 
 def pools_moving_statistics(layer):
@@ -20,3 +21,10 @@ def pools_moving_statistics(layer):
         and not getattr(layer, "renorm", False)
         and callable(getattr(layer, "_moments", None))
     )
+
+
+def is_symbolic_call():
+    """Whether a layer is called in Keras's symbolic pass (the shapes-only
+    call `compute_output_spec` makes when a layer builds, inside the
+    private `SymbolicScope`), whose moments are no micro-batch's."""
+    return in_symbolic_scope()

@@ -30,7 +30,9 @@ import keras
 from keras import ops
 
 from accum_model.core import arithmetic
+from accum_model.core import checkpoint_layout as layout
 from accum_model.keras3.stateless_ops import KERAS_OPS
+from accum_model.keras3.normalization import is_symbolic_call
 from accum_model.keras3.normalization import pools_moving_statistics
 from accum_model.keras3.training import calls_in_graph
 from accum_model.keras3.training import layers_of
@@ -56,6 +58,9 @@ class PooledStatistics:
         # entries of the window's, from `self._first[i]`.
         self.calls = [graph.get(id(layer), 1) for layer in self.layers]
         self._first = [sum(self.calls[:i]) for i in range(len(self.layers))]
+        self._file_order = layout.file_order([
+            layer.name for layer, calls in zip(self.layers, self.calls)
+            for _ in range(calls)])
         # Which layers the traced step called as often as expected (static).
         self.pooled = [True] * len(self.layers)
         self._warned = False
@@ -65,6 +70,14 @@ class PooledStatistics:
         return [ops.zeros([3, int(layer.moving_mean.shape[0])], "float32")
                 for layer, calls in zip(self.layers, self.calls)
                 for _ in range(calls)]
+
+    def in_file_order(self, sums):
+        """The window's sums in the order files hold them."""
+        return layout.in_file_order(sums, self._file_order)
+
+    def in_store_order(self, entries):
+        """Entries read from a file, in the window's order."""
+        return layout.in_store_order(entries, self._file_order)
 
     @contextlib.contextmanager
     def recording(self):
@@ -203,6 +216,8 @@ def _recording_moments(layer, calls):
 
     def moments(inputs, mask):
         mean, variance = original(inputs, mask)
+        if is_symbolic_call():
+            return mean, variance
         calls.append((_element_counts(layer, inputs, mask), mean, variance))
         return mean, variance
 

@@ -184,11 +184,13 @@ class StatelessAccumulation(WindowLifecycle):
             gradient_sums=[
                 ops.cast(value.reshape(total.shape), total.dtype)
                 for value, total in zip(gradients, state.gradient_sums)],
-            statistics_sums=[
+            statistics_sums=self.statistics.in_store_order([
                 ops.cast(value, "float32")
                 for value in layout.statistics_to_write(
-                    arrays, [tuple(s.shape) for s in state.statistics_sums],
-                    counters)],
+                    arrays, [tuple(s.shape) for s in
+                             self.statistics.in_file_order(
+                                 state.statistics_sums)],
+                    counters)]),
         )
         self._set_window_length(self.window_length())
 
@@ -399,7 +401,8 @@ class StatelessWindowCheckpoint(InKerasFiles, layout.RestoredWindow):
             [ops.convert_to_numpy(s) for s in state.gradient_sums],
             [True] * len(state.gradient_sums),
             {name: float(getattr(state, name)) for name in layout.COUNTERS},
-            [ops.convert_to_numpy(s) for s in state.statistics_sums],
+            self._accumulation().statistics.in_file_order(
+                [ops.convert_to_numpy(s) for s in state.statistics_sums]),
         )
 
     def _window_exists(self):

@@ -19,6 +19,7 @@ import threading
 
 import tensorflow as tf
 
+from accum_model.keras3.normalization import is_symbolic_call
 from accum_model.keras3.normalization import pools_moving_statistics
 from accum_model.tensorflow.batch_statistics import RecordedStatistics
 from accum_model.tensorflow.batch_statistics import StatisticsCall
@@ -93,7 +94,7 @@ def _recording_moments(layer):
     def moments(inputs, mask):
         mean, variance = original(inputs, mask)
         recorder = getattr(_thread, "recorder", None)
-        if recorder is None:
+        if recorder is None or is_symbolic_call():
             return mean, variance
         for variable in (layer.moving_mean, layer.moving_variance):
             # The layer assigns both right after: for this thread, nothing.
