@@ -19,6 +19,11 @@ import numpy as np
 # open window's own length is saved.
 COUNTERS = ("weight_sum", "sample_sum", "micro_steps", "skipped_windows",
             "length", "loss_sum")
+# The layout's version, saved after the counters: 2 sorts the statistics by
+# layer name (`file_order`); a file without it (version 0) holds them in
+# the order of the store that wrote it.
+VERSION = 2
+
 # Counters summed over replicas (the others are equal on every replica).
 SUMMED = ("weight_sum", "sample_sum", "loss_sum")
 
@@ -37,12 +42,13 @@ def empty_state():
         "gradients": np.zeros([0], np.float32),
         "sizes": np.zeros([0], np.int64),
         "has_gradient": np.zeros([0], np.int8),
-        "counters": np.zeros([len(COUNTERS)], np.float64),
+        "counters": np.array([0.0] * len(COUNTERS) + [VERSION], np.float64),
         "statistics": np.zeros([0], np.float32),
     }
 
 
-def saved_state(gradient_sums, has_gradient, counters, statistics=()):
+def saved_state(gradient_sums, has_gradient, counters, statistics=(),
+                statistics_names=()):
     """The arrays to save for a window (NumPy arrays in, NumPy out).
 
     Args:
@@ -50,17 +56,20 @@ def saved_state(gradient_sums, has_gradient, counters, statistics=()):
             replicas (float32, or float64 where the accumulators are).
         has_gradient: List of bools, one per accumulator.
         counters: Dict of floats by the names of `COUNTERS`.
-        statistics: List of arrays, the pooled batch statistics.
+        statistics: List of arrays, the pooled batch statistics, in the
+            store's order.
+        statistics_names: The layer name of each, saved sorted by it.
     """
     flat = [np.reshape(s, [-1]) for s in gradient_sums]
-    statistics = [np.reshape(s, [-1]) for s in statistics]
+    statistics = [np.reshape(statistics[i], [-1])
+                  for i in file_order(statistics_names)]
     return {
         "gradients": (np.concatenate(flat) if flat
                       else np.zeros([0], np.float32)),
         "sizes": np.array([s.size for s in flat], np.int64),
         "has_gradient": np.array(has_gradient, np.int8),
-        "counters": np.array([counters[name] for name in COUNTERS],
-                             np.float64),
+        "counters": np.array([counters[name] for name in COUNTERS]
+                             + [VERSION], np.float64),
         "statistics": (np.concatenate(statistics) if statistics
                        else np.zeros([0], np.float32)),
     }
@@ -78,13 +87,14 @@ def read(arrays):
     arrays = {key: np.asarray(value) for key, value in arrays.items()}
     counters = arrays["counters"]
     arrays["counters"] = np.concatenate(
-        [counters, np.zeros([len(COUNTERS) - len(counters)])])
+        [counters, np.zeros([len(COUNTERS) + 1 - len(counters)])])
     return arrays
 
 
 def counter(arrays, name):
-    """One counter of `read` arrays, as a float."""
-    return float(arrays["counters"][COUNTERS.index(name)])
+    """One counter of `read` arrays (or "version", the layout's), as a
+    float."""
+    return float(arrays["counters"][(COUNTERS + ("version",)).index(name)])
 
 
 def window_to_write(arrays, sizes, skipped_windows):
@@ -207,22 +217,12 @@ def file_order(layer_names):
     return sorted(range(len(layer_names)), key=lambda i: (layer_names[i], i))
 
 
-def in_file_order(entries, order):
-    """`entries` (in the store's order) in file order."""
-    return [entries[i] for i in order]
 
 
-def in_store_order(entries, order):
-    """`entries` read in file order, back in the store's order."""
-    stored = [None] * len(order)
-    for entry, index in zip(entries, order):
-        stored[index] = entry
-    return stored
-
-
-def statistics_to_write(arrays, shapes, counters):
+def statistics_to_write(arrays, shapes, counters, names):
     """The saved batch statistics, one array of `shapes` per entry of the
-    loading window (`read` arrays; `counters` as `window_to_write` gives).
+    loading window, in the store's order (`read` arrays; `counters` as
+    `window_to_write` gives; `names`, each entry's layer name).
 
     A window saved without them (by a model whose normalization layers moved
     their own statistics) has nothing pooled yet: zeros, and a warning when
@@ -251,8 +251,13 @@ def statistics_to_write(arrays, shapes, counters):
             "model with the same layers, or call `model.apply_open_window()` "
             "before saving."
         )
-    offsets = np.cumsum([0] + [int(np.prod(shape)) for shape in shapes])
-    return [
-        saved[offsets[i]:offsets[i + 1]].reshape(shape)
-        for i, shape in enumerate(shapes)
-    ]
+    # Older files hold the entries in the order of the store that wrote
+    # them: read as this store's.
+    order = (file_order(names) if counter(arrays, "version") >= 2
+             else list(range(len(shapes))))
+    offsets = np.cumsum([0] + [int(np.prod(shapes[i])) for i in order])
+    stored = [None] * len(shapes)
+    for position, index in enumerate(order):
+        stored[index] = saved[offsets[position]:offsets[position + 1]
+                              ].reshape(shapes[index])
+    return stored

@@ -30,7 +30,6 @@ import keras
 from keras import ops
 
 from accum_model.core import arithmetic
-from accum_model.core import checkpoint_layout as layout
 from accum_model.keras3.stateless_ops import KERAS_OPS
 from accum_model.keras3.normalization import is_symbolic_call
 from accum_model.keras3.normalization import pools_moving_statistics
@@ -58,9 +57,10 @@ class PooledStatistics:
         # entries of the window's, from `self._first[i]`.
         self.calls = [graph.get(id(layer), 1) for layer in self.layers]
         self._first = [sum(self.calls[:i]) for i in range(len(self.layers))]
-        self._file_order = layout.file_order([
-            layer.name for layer, calls in zip(self.layers, self.calls)
-            for _ in range(calls)])
+        # The layer name of each entry of the window's sums.
+        self.names = [layer.name
+                      for layer, calls in zip(self.layers, self.calls)
+                      for _ in range(calls)]
         # Which layers the traced step called as often as expected (static).
         self.pooled = [True] * len(self.layers)
         self._warned = False
@@ -70,14 +70,6 @@ class PooledStatistics:
         return [ops.zeros([3, int(layer.moving_mean.shape[0])], "float32")
                 for layer, calls in zip(self.layers, self.calls)
                 for _ in range(calls)]
-
-    def in_file_order(self, sums):
-        """The window's sums in the order files hold them."""
-        return layout.in_file_order(sums, self._file_order)
-
-    def in_store_order(self, entries):
-        """Entries read from a file, in the window's order."""
-        return layout.in_store_order(entries, self._file_order)
 
     @contextlib.contextmanager
     def recording(self):

@@ -184,13 +184,11 @@ class StatelessAccumulation(WindowLifecycle):
             gradient_sums=[
                 ops.cast(value.reshape(total.shape), total.dtype)
                 for value, total in zip(gradients, state.gradient_sums)],
-            statistics_sums=self.statistics.in_store_order([
+            statistics_sums=[
                 ops.cast(value, "float32")
                 for value in layout.statistics_to_write(
-                    arrays, [tuple(s.shape) for s in
-                             self.statistics.in_file_order(
-                                 state.statistics_sums)],
-                    counters)]),
+                    arrays, [tuple(s.shape) for s in state.statistics_sums],
+                    counters, self.statistics.names)],
         )
         self._set_window_length(self.window_length())
 
@@ -401,8 +399,8 @@ class StatelessWindowCheckpoint(InKerasFiles, layout.RestoredWindow):
             [ops.convert_to_numpy(s) for s in state.gradient_sums],
             [True] * len(state.gradient_sums),
             {name: float(getattr(state, name)) for name in layout.COUNTERS},
-            self._accumulation().statistics.in_file_order(
-                [ops.convert_to_numpy(s) for s in state.statistics_sums]),
+            [ops.convert_to_numpy(s) for s in state.statistics_sums],
+            self._accumulation().statistics.names,
         )
 
     def _window_exists(self):

@@ -24,7 +24,6 @@ import numpy as np
 import tensorflow as tf
 
 from accum_model.core import arithmetic
-from accum_model.core import checkpoint_layout as layout
 from accum_model.tensorflow.ops import TF_OPS
 
 _ON_READ = tf.VariableSynchronization.ON_READ
@@ -103,8 +102,6 @@ class WindowStatistics:
                     name="window_statistics",
                 )
         self._rounds = _rounds(self.calls)
-        self._file_order = layout.file_order([call.name
-                                              for call in self.calls])
         self._call_of_channel = np.repeat(
             np.arange(len(self.calls), dtype=np.int32), self.channels)
 
@@ -116,25 +113,25 @@ class WindowStatistics:
 
     @property
     def call_shapes(self):
-        """The shape of each call's sums, [3, channels], in file order."""
-        return layout.in_file_order(
-            [(3, channels) for channels in self.channels], self._file_order)
+        """The shape of each call's sums, [3, channels], in call order."""
+        return [(3, channels) for channels in self.channels]
+
+    @property
+    def names(self):
+        """The layer name of each call, in call order."""
+        return [call.name for call in self.calls]
 
     def saved_sums(self):
-        """The sums as files hold them: one [3, channels] array per call,
-        in file order (eagerly, in cross-replica context: summed over
-        replicas)."""
+        """The sums as checkpoints take them: one [3, channels] array per
+        call (eagerly, in cross-replica context: summed over replicas)."""
         if self.sums is None:
             return []
-        return layout.in_file_order(
-            np.split(self.sums.read_value().numpy(),
-                     np.cumsum(self.channels)[:-1], axis=1),
-            self._file_order)
+        return np.split(self.sums.read_value().numpy(),
+                        np.cumsum(self.channels)[:-1], axis=1)
 
     def joined(self, per_call):
         """`saved_sums()`'s layout back as one array shaped like `sums`."""
-        return np.concatenate(layout.in_store_order(per_call,
-                                                    self._file_order), axis=1)
+        return np.concatenate(per_call, axis=1)
 
     def add(self, recorded):
         """Adds a micro-batch's statistics (replica context).

@@ -66,6 +66,7 @@ class TensorFlowWindowCheckpoint(SavedInTfCheckpoints, layout.RestoredWindow):
             {name: getattr(window, name).read_value().numpy()
              for name in layout.COUNTERS},
             window.statistics.saved_sums(),
+            window.statistics.names,
         )
 
     def _window_exists(self):
@@ -105,7 +106,8 @@ def _write(window, arrays, accumulation):
     gradients, has_gradient, counters = layout.window_to_write(
         arrays, sizes, float(window.skipped_windows.read_value().numpy()))
     statistics = layout.statistics_to_write(
-        arrays, window.statistics.call_shapes, counters)
+        arrays, window.statistics.call_shapes, counters,
+        window.statistics.names)
     num_replicas = strategy.num_replicas_in_sync
     with strategy.scope():
         for gradient_sum, value in zip(window.gradient_sums, gradients):

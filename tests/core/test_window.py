@@ -348,6 +348,44 @@ def test_a_file_for_other_weights_is_refused():
         layout.window_to_write(layout.read(saved), [6, 2], 0.0)
 
 
+def _statistics_file(entries, names, version=None):
+    counters = {name: 0.0 for name in layout.COUNTERS}
+    counters["micro_steps"] = 1.0
+    saved = layout.saved_state([np.zeros(2, "float32")], [True], counters,
+                               entries, names)
+    if version is not None:
+        saved["counters"] = saved["counters"][:len(layout.COUNTERS)]
+    arrays = layout.read(saved)
+    return arrays, layout.window_to_write(arrays, [2], 0.0)[2]
+
+
+def test_statistics_are_filed_by_layer_name_and_read_into_any_order():
+    # TensorFlow holds them in call order, JAX and PyTorch in layer order:
+    # the file is the same, and each reads its own order back.
+    a, b1, b2 = (np.full([3, width], float(width), "float32")
+                 for width in (1, 2, 3))
+    arrays, counters = _statistics_file([b1, a, b2], ["b", "a", "b"])
+    np.testing.assert_array_equal(
+        arrays["statistics"],
+        np.concatenate([a.ravel(), b1.ravel(), b2.ravel()]))
+    read = layout.statistics_to_write(
+        arrays, [(3, 2), (3, 3), (3, 1)], counters, ["b", "b", "a"])
+    for got, want in zip(read, [b1, b2, a]):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_statistics_of_a_file_without_the_layout_version_keep_its_order():
+    # Files written before the statistics were filed by name hold them in
+    # the order of the store that wrote them.
+    first, second = (np.full([3, 2], value, "float32") for value in (1, 2))
+    arrays, counters = _statistics_file([first, second], ["a", "b"],
+                                        version=0)
+    read = layout.statistics_to_write(arrays, [(3, 2), (3, 2)], counters,
+                                      ["b", "a"])
+    np.testing.assert_array_equal(read[0], first)
+    np.testing.assert_array_equal(read[1], second)
+
+
 # What a store of per-replica variables asks of the transitions -----------------
 
 def test_a_step_that_does_not_count_moves_no_counter():
