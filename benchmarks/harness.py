@@ -21,11 +21,9 @@ def backend_version():
     import keras
 
     backend = keras.backend.backend()
-    module = {"tensorflow": "tensorflow", "jax": "jax",
-              "torch": "torch"}.get(backend)
-    if module is None:
+    if backend not in ("tensorflow", "jax", "torch"):
         return backend
-    return f"{backend} {__import__(module).__version__}"
+    return f"{backend} {__import__(backend).__version__}"
 
 
 def machine(cores_note=""):
@@ -62,7 +60,9 @@ def write_json(path, results):
 def _multi_worker_example():
     import sys
 
-    sys.path.insert(0, str(ROOT / "examples"))
+    examples = str(ROOT / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
     import multi_worker  # TensorFlow's: imported only where it is used
 
     return multi_worker

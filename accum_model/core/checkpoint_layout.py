@@ -59,7 +59,15 @@ def saved_state(gradient_sums, has_gradient, counters, statistics=(),
         statistics: List of arrays, the pooled batch statistics, in the
             store's order.
         statistics_names: The layer name of each, saved sorted by it.
+
+    Raises:
+        ValueError: `statistics_names` does not name every entry (an entry
+            left unnamed would be left out of the file).
     """
+    if len(statistics_names) != len(statistics):
+        raise ValueError(
+            f"statistics_names names {len(statistics_names)} entries, but "
+            f"there are {len(statistics)} statistics entries to save")
     flat = [np.reshape(s, [-1]) for s in gradient_sums]
     statistics = [np.reshape(statistics[i], [-1])
                   for i in file_order(statistics_names)]
@@ -215,8 +223,6 @@ def file_order(layer_names):
         The store's indices of the entries, in file order.
     """
     return sorted(range(len(layer_names)), key=lambda i: (layer_names[i], i))
-
-
 
 
 def statistics_to_write(arrays, shapes, counters, names):

@@ -374,6 +374,13 @@ def test_statistics_are_filed_by_layer_name_and_read_into_any_order():
         np.testing.assert_array_equal(got, want)
 
 
+def test_statistics_without_a_name_each_are_refused():
+    counters = {name: 0.0 for name in layout.COUNTERS}
+    with pytest.raises(ValueError, match="statistics_names"):
+        layout.saved_state([np.zeros(2, "float32")], [True], counters,
+                           [np.zeros([3, 2], "float32")], [])
+
+
 def test_statistics_of_a_file_without_the_layout_version_keep_its_order():
     # Files written before the statistics were filed by name hold them in
     # the order of the store that wrote them.
