@@ -59,6 +59,71 @@ def test_several_torch_processes_are_refused_before_training(monkeypatch):
     assert all((a == b).all() for a, b in zip(weights, model.get_weights()))
 
 
+def _torch_operations_per_window(model, x, y):
+    """The aten operations 8 `train_on_batch` calls dispatch, after 8 that
+    build and warm up."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counting(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counting.count += 1
+            return func(*args, **(kwargs or {}))
+
+    batch = len(x) // 16
+    for start in range(0, 8 * batch, batch):
+        model.train_on_batch(x[start:start + batch], y[start:start + batch])
+    with Counting():
+        for start in range(8 * batch, 16 * batch, batch):
+            model.train_on_batch(x[start:start + batch],
+                                 y[start:start + batch])
+    return Counting.count
+
+
+def _deep_mlp(model_class, layers, width, optimizer, **kwargs):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((width,))
+    hidden = inputs
+    for _ in range(layers):
+        hidden = keras.layers.Dense(width, activation="relu")(hidden)
+    model = model_class(inputs, keras.layers.Dense(1)(hidden), **kwargs)
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+@torch_only
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_a_torch_micro_step_costs_no_operation_per_variable(optimizer):
+    # The window's sums live in `.grad`, which backward() adds into: what
+    # a window of 8 micro steps dispatches beyond 8 steps of plain Keras
+    # does not grow with the model's variables (adding to a sum per
+    # variable would cost 8 operations per variable here).
+    extra = {}
+    for layers in (4, 16):
+        x, y = regression_data(samples=128, features=16, outputs=1)
+        plain = _deep_mlp(keras.Model, layers, 16, optimizer)
+        accumulating = _deep_mlp(AccumulatingModel, layers, 16, optimizer,
+                                 n_gradients=8)
+        extra[layers] = (_torch_operations_per_window(accumulating, x, y)
+                         - _torch_operations_per_window(plain, x, y))
+        assert iterations(accumulating) == 2
+    added_variables = 2 * (16 - 4)
+    assert extra[16] - extra[4] <= added_variables, extra
+
+
+@torch_only
+def test_a_torch_micro_step_dispatches_at_most_5_percent_over_plain_keras():
+    # The 20-layer MLP of benchmarks/torch_operations.py, under Adam.
+    x, y = regression_data(samples=512, features=64, outputs=1)
+    plain = _deep_mlp(keras.Model, 20, 64, "adam")
+    accumulating = _deep_mlp(AccumulatingModel, 20, 64, "adam",
+                             n_gradients=8)
+    counts = (_torch_operations_per_window(plain, x, y),
+              _torch_operations_per_window(accumulating, x, y))
+    assert counts[1] <= 1.05 * counts[0], counts
+
+
 @jax_only
 def test_importing_on_jax_imports_no_tensorflow():
     code = ("import sys, accum_model, keras\n"

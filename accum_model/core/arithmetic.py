@@ -34,7 +34,12 @@ ArrayOps = collections.namedtuple("ArrayOps", [
     # arrays need more than `sum(square(x))` (TensorFlow's sparse
     # gradients); None otherwise.
     "squared_norm",
-], defaults=(None,) * 11)
+    # `(arrays, denominator) -> [divide_no_nan(a, denominator) for a in
+    # arrays]` for float32 arrays, where the backend does it in fewer
+    # operations than one per array (PyTorch's `torch._foreach_div`); None
+    # otherwise.
+    "divide_all_no_nan",
+], defaults=(None,) * 12)
 
 # The smallest magnitude float16 rounds to infinity (its largest finite
 # value, 65504, plus half of its last step, 32).

@@ -263,14 +263,27 @@ def mean_gradients(config, state, dtypes, ops):
     """
     weight = total_weight(config, state, ops)
     present = config.has_gradient or (True,) * len(state.gradient_sums)
+    divided = [i for i, (total, kept, used) in enumerate(zip(
+        state.gradient_sums, config.overwrite, present)) if used and not kept]
+    means = {}
+    if ops.divide_all_no_nan is not None:
+        together = [i for i in divided
+                    if ops.dtype_name(state.gradient_sums[i]) == "float32"]
+        means = dict(zip(together, ops.divide_all_no_nan(
+            [state.gradient_sums[i] for i in together],
+            ops.cast(weight, "float32"))))
+    for i in divided:
+        if i not in means:
+            wide = _wide(ops.dtype_name(state.gradient_sums[i]))
+            means[i] = arithmetic.divide_no_nan(
+                ops.cast(state.gradient_sums[i], wide),
+                ops.cast(weight, wide), ops)
     return [
         None if not used
         else ops.cast(total, dtype) if kept
-        else ops.cast(arithmetic.divide_no_nan(
-            ops.cast(total, _wide(ops.dtype_name(total))),
-            ops.cast(weight, _wide(ops.dtype_name(total))), ops), dtype)
-        for total, dtype, kept, used in zip(
-            state.gradient_sums, dtypes, config.overwrite, present)]
+        else ops.cast(means[i], dtype)
+        for i, (total, dtype, kept, used) in enumerate(zip(
+            state.gradient_sums, dtypes, config.overwrite, present))]
 
 
 def is_finite(state, ops):
@@ -335,11 +348,13 @@ def measured(config, state, applied, ops):
                           applied)
 
 
-def reset(state, ops):
+def reset(state, ops, zero_sums=None):
     """An empty window after `state`'s: it takes the next window's length,
-    and keeps the epoch's counts and estimates."""
+    and keeps the epoch's counts and estimates. `zero_sums`, where given,
+    are zero gradient sums the store has already."""
     return state._replace(
-        gradient_sums=[ops.zeros_like(s) for s in state.gradient_sums],
+        gradient_sums=(list(zero_sums) if zero_sums is not None
+                       else [ops.zeros_like(s) for s in state.gradient_sums]),
         **{name: ops.zeros_like(getattr(state, name))
            for name in _FLOAT_ZEROS},
         micro_steps=ops.zeros_like(state.micro_steps),
@@ -349,17 +364,17 @@ def reset(state, ops):
     )
 
 
-def skipped(state, ops):
+def skipped(state, ops, zero_sums=None):
     """An empty window after one skipped for overflow."""
-    state = reset(state, ops)
+    state = reset(state, ops, zero_sums)
     return state._replace(skipped_windows=state.skipped_windows + 1)
 
 
-def closed(config, state, applied, ops):
+def closed(config, state, applied, ops, zero_sums=None):
     """An empty window after `state`'s, decided in the traced step: an
     `applied` window (a bool) is measured, one skipped for overflow is
     counted."""
-    state = reset(measured(config, state, applied, ops), ops)
+    state = reset(measured(config, state, applied, ops), ops, zero_sums)
     return state._replace(skipped_windows=state.skipped_windows + ops.cast(
         ops.where(applied, 0, 1), ops.dtype_name(state.skipped_windows)))
 

@@ -46,6 +46,9 @@ class StatelessAccumulation(WindowLifecycle):
         settings: The `Settings` to accumulate with.
     """
 
+    # The array operations of the window end's mean gradient.
+    ops = KERAS_OPS
+
     def __init__(self, settings):
         self._check_settings(settings)
         super().__init__(settings)
@@ -88,6 +91,22 @@ class StatelessAccumulation(WindowLifecycle):
         """`end` (`end_window` with this accumulation bound), as the
         backend runs it outside a training step."""
         return end
+
+    def with_held_sums(self, state):
+        """`state` with the window's gradient sums in it, where the backend
+        holds them elsewhere (PyTorch's `.grad`); else `state` itself."""
+        return state
+
+    def zero_sums(self):
+        """Zero gradient sums the store holds already for the emptied
+        window, or None to make them."""
+        return None
+
+    def optimizer_apply(self, optimizer_values, gradients, trainable):
+        """The optimizer's update of `trainable` (values) by `gradients`:
+        the new (trainable, optimizer) values."""
+        return self.loss_scaling.optimizer.stateless_apply(
+            optimizer_values, gradients, trainable)
 
     def _settled(self, ends):
         """Whether the window ends, as the step goes on with it: the
@@ -244,7 +263,7 @@ class StatelessAccumulation(WindowLifecycle):
         if self._apply_open is None or self._apply_open[0] != key:
             self._apply_open = key, self._eager_end(functools.partial(
                 end_window, self))
-        state = self.window.state
+        state = self.window.state = self.with_held_sums(self.window.state)
         window_loss = core_window.loss(self.window_config(), state,
                                        KERAS_OPS)
         samples = state.sample_sum
@@ -255,11 +274,17 @@ class StatelessAccumulation(WindowLifecycle):
         trainable, optimizer_values, self.window.state = self._apply_open[1](
             ([v.value for v in variables],
              [v.value for v in optimizer.variables], state))
-        for variable, value in zip(variables, trainable):
-            variable.assign(value)
-        for variable, value in zip(optimizer.variables, optimizer_values):
-            variable.assign(value)
+        assign_values(variables, trainable)
+        assign_values(optimizer.variables, optimizer_values)
         model._loss_tracker.update_state(window_loss, sample_weight=samples)
+
+
+def assign_values(variables, values):
+    """Writes `values` into `variables`, but where a value is already the
+    variable's own (an optimizer applied in place)."""
+    for variable, value in zip(variables, values):
+        if value is not variable.value:
+            variable.assign(value)
 
 
 def _elements(array):
@@ -285,15 +310,24 @@ def add_micro_batch(accumulation, trainable, optimizer_values, window,
     """Adds a micro-batch (and its normalization layers' `moments`) to the
     window and applies the window when it is due; returns the new
     (trainable, non-trainable, optimizer values, window), whether the
-    window ended, its loss and its samples."""
+    window ended, its loss and its samples. `gradients` is None where the
+    backend has already added them to the sums it holds itself
+    (`with_held_sums`)."""
     config = accumulation.window_config()
-    window = core_window.added(config, window, gradients, weight, loss,
-                               samples, KERAS_OPS)
+    if gradients is None:
+        window = core_window.counters_added(config, window, None, weight,
+                                            loss, samples, KERAS_OPS)
+    else:
+        window = core_window.added(config, window, gradients, weight, loss,
+                                   samples, KERAS_OPS)
     if moments is not None:
         window = window._replace(statistics_sums=accumulation.statistics.added(
             window.statistics_sums, moments, non_trainable))
     ends = accumulation._settled(core_window.ends(window))
-    window_loss = core_window.loss(config, window, KERAS_OPS)
+    # Read only where the window ends (known here where the step runs
+    # eagerly).
+    window_loss = (None if ends is False
+                   else core_window.loss(config, window, KERAS_OPS))
     window_samples = window.sample_sum
     if moments is not None:
         # Moved whether the update is applied or skipped for overflow, as
@@ -302,7 +336,9 @@ def add_micro_batch(accumulation, trainable, optimizer_values, window,
             window.statistics_sums, non_trainable, ends)
     operands = (list(trainable), optimizer_values, window)
     trainable, optimizer_values, window = ops.cond(
-        ends, lambda: end_window(accumulation, operands), lambda: operands)
+        ends, lambda: end_window(accumulation, (
+            operands[0], operands[1], accumulation.with_held_sums(window))),
+        lambda: operands)
     return (trainable, non_trainable, optimizer_values, window, ends,
             window_loss, window_samples)
 
@@ -314,13 +350,15 @@ def end_window(accumulation, operands):
     trainable, optimizer_values, state = operands
     scaling = accumulation.loss_scaling
     config = accumulation.window_config()
+    zero_sums = accumulation.zero_sums()
     gradients = core_window.mean_gradients(
-        config, state, [value.dtype for value in trainable], KERAS_OPS)
+        config, state, [value.dtype for value in trainable],
+        accumulation.ops)
 
     def apply(gradients):
         with learning_rate.scaled_by(scaling.optimizer,
                                      state.learning_rate_scale):
-            return scaling.optimizer.stateless_apply(
+            return accumulation.optimizer_apply(
                 optimizer_values, gradients, trainable)
 
     if scaling.active:
@@ -335,18 +373,18 @@ def end_window(accumulation, operands):
             else ops.where(fits, g * ops.cast(scale, g.dtype), float("inf"))
             for g, overwrite in zip(gradients, config.overwrite)])
         return list(trainable), list(optimizer_values), core_window.closed(
-            config, state, fits, KERAS_OPS)
+            config, state, fits, KERAS_OPS, zero_sums)
 
     def update(operands):
         trainable, optimizer_values = apply(gradients)
         return (list(trainable), list(optimizer_values),
                 core_window.reset(core_window.measured(
-                    config, state, True, KERAS_OPS), KERAS_OPS))
+                    config, state, True, KERAS_OPS), KERAS_OPS, zero_sums))
 
     def skip(operands):
         trainable, optimizer_values, state = operands
-        return trainable, optimizer_values, core_window.skipped(state,
-                                                                KERAS_OPS)
+        return trainable, optimizer_values, core_window.skipped(
+            state, KERAS_OPS, zero_sums)
 
     if not accumulation.settings.may_overflow:
         return update(operands)
@@ -391,10 +429,10 @@ class StatelessWindowCheckpoint(InKerasFiles, layout.RestoredWindow):
     def saved_state(self):
         """The window's arrays as a file holds them (`core.checkpoint_layout`),
         or None when there is no window to save."""
-        window = self._accumulation().window
-        if window is None:
+        accumulation = self._accumulation()
+        if accumulation.window is None:
             return self._pending
-        state = window.state
+        state = accumulation.with_held_sums(accumulation.window.state)
         return layout.saved_state(
             [ops.convert_to_numpy(s) for s in state.gradient_sums],
             [True] * len(state.gradient_sums),

@@ -5,9 +5,21 @@ Keras's torch trainer (`keras/src/backend/torch/trainer.py`) runs
 then `optimizer.apply` on the variables. The accumulating step keeps the
 first two and hands the gradients, times what Keras divided the loss by,
 to the window of `stateless_window`, the same window JAX runs in its
-jitted step: it runs here eagerly on the variables' values, applies the
-window with the optimizer's own `stateless_apply` when it is full or the
-epoch ends, and the step writes the new values back into the variables.
+jitted step: it runs here eagerly on the variables' values, and applies
+the window with the optimizer's own `apply` (in place, as Keras's step
+does) when it is full or the epoch ends.
+
+Where it can, the window's gradient sums live in the variables' `.grad`:
+each micro step differentiates its loss times its weight, and
+`loss.backward()` adds that into `.grad`, which is emptied only when the
+window ends; a micro step then costs the window a few scalar operations
+rather than several per variable. The sums move into the window's state
+where `.grad` cannot hold them: a noise scale to measure, a variable Keras
+overwrites, accumulators of another dtype than the variables, a model with
+its own `get_scaled_loss` or `get_unscaled_gradients`, a window restored
+open or fed by `accumulate_gradients`. Between the micro steps of an open
+window, `.grad` holds the window: code that calls `backward()` or
+`zero_grad()` on the model's weights then changes it.
 
 BatchNormalization layers' moving statistics are pooled over the window:
 the forward pass records their moments and the step puts their moving
@@ -21,7 +33,7 @@ Keras 3 has no data-parallel `fit()` on PyTorch), and
 
 Private Keras members used, checked on keras 3.15.1 with torch 2.13.0:
 `_compute_loss`, `_call_has_training_arg`, `_loss_tracker`, `zero_grad`,
-`jit_compile`, `Variable.value`.
+`jit_compile`, `Variable.value` (and its `.grad`).
 """
 
 
@@ -29,14 +41,24 @@ import keras
 import torch
 from keras import ops
 
+from accum_model.core import class_tree
 from accum_model.core import divisor
 from accum_model.core.update_signal import UpdateSignal
 from accum_model.keras3 import losses
 from accum_model.keras3 import stateless_window
+from accum_model.keras3.stateless_ops import KERAS_OPS
 from accum_model.keras3.stateless_ops import KERAS_SHAPES
 from accum_model.keras3.stateless_training import StatelessAdapter
 from accum_model.keras3.stateless_training import (
     has_default_micro_batch_weight)
+
+
+def _divide_all_no_nan(arrays, denominator):
+    if not arrays:
+        return []
+    if bool(denominator == 0):  # A window whose every element is masked.
+        return [torch.zeros_like(array) for array in arrays]
+    return list(torch._foreach_div(arrays, denominator))
 
 
 class TorchAccumulation(stateless_window.StatelessAccumulation):
@@ -47,6 +69,8 @@ class TorchAccumulation(stateless_window.StatelessAccumulation):
         settings: The `Settings` to accumulate with.
     """
 
+    ops = KERAS_OPS._replace(divide_all_no_nan=_divide_all_no_nan)
+
     def __init__(self, settings):
         super().__init__(settings)
         # The optimizer's count, copied before each run; read only when
@@ -55,6 +79,101 @@ class TorchAccumulation(stateless_window.StatelessAccumulation):
             lambda optimizer: optimizer.iterations.value, torch.clone)
         # Whether the built-in step (which knows the loss) fed the window.
         self.tracks_loss = True
+        # Where the open window's gradient sums are: "grads" (the
+        # variables' `.grad`, over the first micro-batch's weight
+        # `_grads_weight` and times the loss scale and the micro-batch
+        # share `_grads_share`), "state", or None while it is empty.
+        self._sums_in = None
+        self._grads_weight = None
+        self._grads_share = None
+        # The state's gradient sums while `.grad` holds the window: zeros.
+        self._zero_sums = None
+        # Whether `.grad` can hold this window's sums (set when the window
+        # is built).
+        self._grads_can_hold = False
+
+    def build_window(self, model):
+        super().build_window(model)
+        settings = self.settings
+        self._grads_can_hold = (
+            not settings.measure_noise_scale and not any(self.overwrite)
+            and all(keras.backend.standardize_dtype(v.dtype)
+                    == settings.accumulator_dtype
+                    for v in self.window.trainable_variables))
+
+    def sums_in_grads(self, model):
+        """Whether this micro step's gradients go into the sums `.grad`
+        holds; where the window is empty, opens it there if it can."""
+        if self._sums_in is None:
+            model_class = type(model)
+            base = class_tree.accumulating_base(model_class)
+            keeps_scaling = all(
+                getattr(model_class, name) is getattr(base, name)
+                for name in ("get_scaled_loss", "get_unscaled_gradients"))
+            if self._grads_can_hold and keeps_scaling:
+                model.zero_grad()
+                self._sums_in = "grads"
+            else:
+                self._sums_in = "state"
+        return self._sums_in == "grads"
+
+    def scaled_for_grads(self, loss, weight):
+        """The loss to differentiate into `.grad`: the micro-batch's loss
+        times its weight relative to the window's first micro-batch's,
+        scaled as `get_scaled_loss` scales (the share is the same for every
+        micro step of a window). Relative, so that each sample's term in
+        the backward pass stays what `get_scaled_loss` makes it: the large
+        batch's, where float16 overflows as the large batch does."""
+        if self._grads_weight is None:
+            self._grads_weight = ops.where(weight > 0, weight, 1.0)
+        if self.loss_scaling.active:
+            self._grads_share = self.micro_batch_share()
+        return self.loss_scaling.scale_loss(
+            loss * (weight / self._grads_weight), self._grads_share)
+
+    def optimizer_apply(self, optimizer_values, gradients, trainable):
+        # In place, as Keras's own step applies (its PyTorch optimizers
+        # update every variable in a few `torch._foreach_*` operations):
+        # the values handed in are the variables' own.
+        del optimizer_values, trainable
+        optimizer = self.loss_scaling.optimizer
+        variables = self.window.trainable_variables
+        optimizer.apply(gradients, variables)
+        return ([v.value for v in variables],
+                [v.value for v in optimizer.variables])
+
+    def zero_sums(self):
+        # A window in `.grad` leaves the state's own sums at zero.
+        return self._zero_sums if self._sums_in == "grads" else None
+
+    def with_held_sums(self, state):
+        if self._sums_in != "grads":
+            return state
+        self._zero_sums = state.gradient_sums
+        variables = self.window.trainable_variables
+        grads = [v.value.grad for v in variables]
+        # A variable no micro-batch of the window reached has no `.grad`.
+        self.has_gradient = [g is not None for g in grads]
+        factor = self._grads_weight
+        if self.loss_scaling.active:
+            factor = factor / (self.loss_scaling.current_scale()
+                               * self._grads_share)
+        present = [g for g in grads if g is not None]
+        sums = iter(torch._foreach_mul(present, factor) if present else ())
+        return state._replace(gradient_sums=[
+            ops.zeros_like(v.value) if g is None else next(sums)
+            for g, v in zip(grads, variables)])
+
+    def _move_sums_to_state(self):
+        """Moves sums `.grad` holds into the window's state."""
+        if self._sums_in == "grads":
+            self.window.state = self.with_held_sums(self.window.state)
+            self._empty_grads()
+        self._sums_in = "state"
+
+    def _empty_grads(self):
+        for variable in self.window.trainable_variables:
+            variable.value.grad = None
 
     def _tracks_loss(self):
         return self.tracks_loss
@@ -65,7 +184,8 @@ class TorchAccumulation(stateless_window.StatelessAccumulation):
         whether the window ended, its loss and its samples."""
         window = self.window
         variables = window.trainable_variables
-        gradients = self._with_zeros_for_missing(gradients, variables)
+        if gradients is not None:
+            gradients = self._with_zeros_for_missing(gradients, variables)
         optimizer_variables = self.loss_scaling.optimizer.variables
         non_trainable = None
         if moments is not None:
@@ -80,11 +200,9 @@ class TorchAccumulation(stateless_window.StatelessAccumulation):
                     moments))
             if ends:
                 # Only a window's end changes these.
-                for variable, value in zip(variables, trainable):
-                    variable.assign(value)
-                for variable, value in zip(optimizer_variables,
-                                           optimizer_values):
-                    variable.assign(value)
+                stateless_window.assign_values(variables, trainable)
+                stateless_window.assign_values(optimizer_variables,
+                                               optimizer_values)
             if moments is not None:
                 for variable, old, new in zip(model.non_trainable_variables,
                                               non_trainable,
@@ -113,15 +231,24 @@ class TorchAccumulation(stateless_window.StatelessAccumulation):
 
     def _window_ended(self):
         self.has_gradient = None
+        if self._sums_in == "grads":
+            self._empty_grads()
+        self._sums_in = None
+        self._grads_weight = None
+        self._grads_share = None
 
     def apply_open_window(self):
         super().apply_open_window()
         self._window_ended()
 
     def write_window(self, arrays):
+        if self._sums_in == "grads":
+            self._empty_grads()
         super().write_window(arrays)
         # A restored window's sums may hold a gradient of any variable.
         self.has_gradient = [True] * len(self.window.trainable_variables)
+        self._sums_in = "state" if self.open_micro_steps() else None
+        self._grads_weight = None
 
 
 def accumulating_train_step(model, data):
@@ -141,7 +268,9 @@ def accumulating_train_step(model, data):
             y_pred = model(x)
     moments = statistics.moments_of(records)
     statistics.put_back(kept, model)
-    model.zero_grad()
+    in_grads = accumulation.sums_in_grads(model)
+    if not in_grads:
+        model.zero_grad()
     # This micro-batch's own mean loss; the window divides by its whole
     # weight.
     with losses.losses_not_divided_by_replicas(), \
@@ -159,20 +288,26 @@ def accumulating_train_step(model, data):
         and divisor.is_summed(reductions))
     accumulation.tracks_loss = True
     variables = window.trainable_variables
-    if variables:
-        model.get_scaled_loss(loss).backward()
-    gradients = model.get_unscaled_gradients(
-        [v.value.grad for v in variables])
+    weight = ops.stop_gradient(weight)
+    gradients = None
+    if in_grads:
+        if variables:
+            accumulation.scaled_for_grads(loss, weight).backward()
+    else:
+        if variables:
+            model.get_scaled_loss(loss).backward()
+        gradients = model.get_unscaled_gradients(
+            [v.value.grad for v in variables])
     samples = ops.cast(divisor.batch_size(x, KERAS_SHAPES), "float32")
     ends, window_loss, window_samples = accumulation.add(
-        model, gradients, ops.stop_gradient(weight),
-        ops.stop_gradient(loss), samples,
+        model, gradients, weight, ops.stop_gradient(loss), samples,
         moments if statistics.layers else None)
     accumulation._traced_window = None
     # The loss in the logs is each window's, logged when it ends, weighted
     # by its samples as Keras weighs a batch's.
-    model._loss_tracker.update_state(
-        window_loss, sample_weight=window_samples if ends else 0.0)
+    if ends:
+        model._loss_tracker.update_state(window_loss,
+                                         sample_weight=window_samples)
     logs = model.compute_metrics(x, y, y_pred, sample_weight)
     if (accumulation.settings.may_overflow
             or accumulation.loss_scaling.active):
@@ -229,6 +364,7 @@ def accumulate_gradients(model, gradients, weight, batch_size=None):
                else ops.cast(batch_size, "float32"))
     accumulation.divide_by_weight = True
     accumulation.tracks_loss = False
+    accumulation._move_sums_to_state()
     accumulation.add(model, [None if g is None else ops.stop_gradient(g)
                              for g in gradients],
                      weight, ops.zeros((), "float32"), samples)
