@@ -75,6 +75,14 @@ def float32_policy():
     keras.mixed_precision.set_global_policy("float32")
 
 
+def pytest_collection_modifyitems(items):
+    # `-m distributed` selects the tests that train under a distribution:
+    # those of the `two_replicas` fixture, and those marked so.
+    for item in items:
+        if "two_replicas" in getattr(item, "fixturenames", ()):
+            item.add_marker("distributed")
+
+
 @pytest.fixture(scope="session")
 def two_replicas():
     """Two replicas: a MirroredStrategy over the two logical CPU devices on

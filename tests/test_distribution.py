@@ -87,6 +87,7 @@ def test_data_parallel_refuses_micro_batches_it_cannot_split_equally(
 
 
 @jax_only("keras.distribution.ModelParallel")
+@pytest.mark.distributed
 def test_model_parallel_matches_one_device_large_batch():
     # Each kernel is cut across the two devices; the window's gradient sums
     # are laid out as their variables.

@@ -23,7 +23,7 @@ from backends import tensorflow_only
 if ON_TENSORFLOW:
     import tensorflow as tf
 
-TRIALS = 5
+TRIALS = 3
 
 
 def _generator(x, y, micro_batch):
