@@ -113,6 +113,20 @@ def test_a_torch_micro_step_costs_no_operation_per_variable(optimizer):
 
 
 @torch_only
+def test_gradients_cleared_in_an_open_window_are_refused_on_torch():
+    # The open window's sums are the weights' `.grad`: clearing them
+    # between micro steps must not pass as a smaller window.
+    x, y = regression_data(samples=32)
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer="sgd", loss="mse")
+    model.train_on_batch(x[:8], y[:8])
+    model.zero_grad()
+    with pytest.raises(RuntimeError, match="apply_open_window"):
+        model.train_on_batch(x[8:16], y[8:16])
+    assert iterations(model) == 0
+
+
+@torch_only
 def test_a_torch_micro_step_dispatches_at_most_5_percent_over_plain_keras():
     # The 20-layer MLP of benchmarks/torch_operations.py, under Adam.
     x, y = regression_data(samples=512, features=64, outputs=1)

@@ -88,6 +88,8 @@ class TorchAccumulation(stateless_window.StatelessAccumulation):
         self._grads_share = None
         # The state's gradient sums while `.grad` holds the window: zeros.
         self._zero_sums = None
+        # A weight whose `.grad` holds the open window (see `watch_grads`).
+        self._watched_grad = None
         # Whether `.grad` can hold this window's sums (set when the window
         # is built).
         self._grads_can_hold = False
@@ -104,6 +106,17 @@ class TorchAccumulation(stateless_window.StatelessAccumulation):
     def sums_in_grads(self, model):
         """Whether this micro step's gradients go into the sums `.grad`
         holds; where the window is empty, opens it there if it can."""
+        watched = self._watched_grad
+        if watched is not None and watched.grad is None:
+            raise RuntimeError(
+                "The gradients of an open window were cleared between its "
+                "micro steps (`zero_grad()`, or `.grad` set to None, on the "
+                "model's weights outside its training step): on PyTorch an "
+                "AccumulatingModel keeps the window's gradient sums in "
+                "`.grad` until the window ends. Call `apply_open_window()` "
+                "before touching the weights' gradients. Received: a "
+                f"window of {self.open_micro_steps()} micro steps without "
+                "its sums")
         if self._sums_in is None:
             model_class = type(model)
             base = class_tree.accumulating_base(model_class)
@@ -130,6 +143,14 @@ class TorchAccumulation(stateless_window.StatelessAccumulation):
             self._grads_share = self.micro_batch_share()
         return self.loss_scaling.scale_loss(
             loss * (weight / self._grads_weight), self._grads_share)
+
+    def watch_grads(self):
+        """After a micro step's backward pass: notes a weight whose `.grad`
+        holds the window, to notice it cleared before the next."""
+        if self._sums_in == "grads" and self._watched_grad is None:
+            self._watched_grad = next(
+                (v.value for v in self.window.trainable_variables
+                 if v.value.grad is not None), None)
 
     def optimizer_apply(self, optimizer_values, gradients, trainable):
         # In place, as Keras's own step applies (its PyTorch optimizers
@@ -172,6 +193,7 @@ class TorchAccumulation(stateless_window.StatelessAccumulation):
         self._sums_in = "state"
 
     def _empty_grads(self):
+        self._watched_grad = None
         for variable in self.window.trainable_variables:
             variable.value.grad = None
 
@@ -293,6 +315,7 @@ def accumulating_train_step(model, data):
     if in_grads:
         if variables:
             accumulation.scaled_for_grads(loss, weight).backward()
+            accumulation.watch_grads()
     else:
         if variables:
             model.get_scaled_loss(loss).backward()
