@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import keras
+import numpy as np
 import pytest
 
 from accum_model import AccumulatingModel
@@ -110,6 +111,40 @@ def test_a_torch_micro_step_costs_no_operation_per_variable(optimizer):
         assert iterations(accumulating) == 2
     added_variables = 2 * (16 - 4)
     assert extra[16] - extra[4] <= added_variables, extra
+
+
+def _conv_bn(model_class, blocks, **kwargs):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 3))
+    hidden = inputs
+    for _ in range(blocks):
+        hidden = keras.layers.Conv2D(4, 3, padding="same")(hidden)
+        hidden = keras.layers.ReLU()(keras.layers.BatchNormalization()(hidden))
+    outputs = keras.layers.Dense(1)(keras.layers.GlobalAveragePooling2D()(
+        hidden))
+    model = model_class(inputs, outputs, **kwargs)
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+@torch_only
+def test_torch_pools_batch_normalization_in_few_operations_per_layer():
+    # Each micro step adds every layer's moments to the window's sums in a
+    # few operations for all layers together; what a layer costs is its
+    # move once per window (recording, putting back and adding per layer
+    # and micro step cost about 20 operations each).
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8, 8, 3)).astype("float32")
+    y = rng.normal(size=(64, 1)).astype("float32")
+    extra = {}
+    for blocks in (2, 8):
+        plain = _conv_bn(keras.Model, blocks)
+        accumulating = _conv_bn(AccumulatingModel, blocks, n_gradients=8)
+        extra[blocks] = (_torch_operations_per_window(accumulating, x, y)
+                         - _torch_operations_per_window(plain, x, y))
+        assert iterations(accumulating) == 2
+    added_layers = 8 - 2
+    assert extra[8] - extra[2] <= added_layers * 8 * 5, extra
 
 
 @torch_only

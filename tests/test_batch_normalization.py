@@ -189,7 +189,7 @@ def test_a_layer_called_twice_moves_twice_per_window():
     assert max_difference(statistics(plain), statistics(model)) <= TOLERANCE
 
 
-class _NormTwice(AccumulatingModel):
+class _NormTwiceLayers:
     """Calls one BatchNormalization twice, where no functional graph shows."""
 
     def __init__(self, **kwargs):
@@ -203,15 +203,30 @@ class _NormTwice(AccumulatingModel):
              self.norm(inputs * 2.0, training=training)], axis=-1))
 
 
+class _NormTwice(_NormTwiceLayers, AccumulatingModel):
+    pass
+
+
+class _PlainNormTwice(_NormTwiceLayers, keras.Model):
+    pass
+
+
 @pytest.mark.skipif(ON_TENSORFLOW,
                     reason="TensorFlow pools every call, seen in its trace")
 def test_a_layer_called_twice_outside_a_graph_is_warned_about():
-    x = np.ones((16, 5), "float32")
+    # Warned, its statistics move per micro-batch, call by call, as plain
+    # Keras's at the micro-batch move them.
+    x = np.random.default_rng(3).normal(size=(16, 5)).astype("float32")
     model = _NormTwice(n_gradients=2)
-    model.compile(optimizer="sgd", loss="mse")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
     with pytest.warns(UserWarning,
                       match="functional graph does not show.*norm .called 2"):
-        model.fit(x, x[:, :1], batch_size=4, verbose=0)
+        model.fit(x, x[:, :1], batch_size=4, shuffle=False, verbose=0)
+    plain = _PlainNormTwice()
+    plain.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    plain.fit(x, x[:, :1], batch_size=4, shuffle=False, verbose=0)
+    assert max_difference(statistics(plain), statistics(model)) <= TOLERANCE
+    assert float(numpy_of(model.norm.moving_mean)[0]) != 0.0
 
 
 def test_mixed_float16_statistics_equal_the_mixed_large_batch():

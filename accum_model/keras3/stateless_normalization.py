@@ -7,9 +7,9 @@ training call of a trainable layer without `renorm`, takes the batch's
 moments from its private `_moments(inputs, mask)` and then assigns
 `moving_mean` and `moving_variance`; in Keras's stateless call (JAX) those
 assigns become the step's new non-trainable values, in a stateful call
-(PyTorch) the step puts the old values back. During a micro step each pooled layer's
-moments are recorded and its new moving values replaced by the old ones;
-the window sums the moments (`core.arithmetic.statistics_terms`) and moves
+(PyTorch) they would move the variables (`torch_normalization` keeps
+them). During a micro step each pooled layer's moments are recorded and its
+moving values kept as they were; the window sums the moments (`core.arithmetic.statistics_terms`) and moves
 the statistics once, when it ends (`pooled_moving_statistics`), whether
 its update is applied or skipped for overflow, as the large batch's
 forward pass would.
@@ -81,7 +81,8 @@ class PooledStatistics:
         """
         records = [[] for _ in self.layers]
         for layer, calls in zip(self.layers, records):
-            vars(layer)["_moments"] = _recording_moments(layer, calls)
+            vars(layer)["_moments"] = _recording_moments(
+                layer, calls, self.element_counts)
         try:
             yield records
         finally:
@@ -110,27 +111,28 @@ class PooledStatistics:
                 f"{keras.backend.backend()}: {', '.join(unexpected)}. Call "
                 "such a layer from a functional model (or train on "
                 "TensorFlow, which pools every call).", stacklevel=2)
-        return [[tuple(ops.stop_gradient(value) for value in call)
+        return [[tuple(self.detached(value) for value in call)
                  for call in calls] if pooled else None
                 for calls, pooled in zip(records, self.pooled)]
 
-    def kept_values(self, model):
-        """Copies of each layer's moving statistics before a stateful
-        forward pass (PyTorch), for `put_back`."""
-        variables = model.non_trainable_variables
-        return [(ops.copy(variables[mean_at].value),
-                 ops.copy(variables[variance_at].value))
-                for mean_at, variance_at in self._positions]
+    def detached(self, value):
+        """A recorded moment as the window reads it: out of the backward
+        pass (a number as it is)."""
+        return value if isinstance(value, float) else ops.stop_gradient(value)
 
-    def put_back(self, kept, model):
-        """Gives each pooled layer its moving statistics as `kept_values`
-        copied them (after a stateful forward pass moved them)."""
-        variables = model.non_trainable_variables
-        for (mean_at, variance_at), (mean, variance), pooled in zip(
-                self._positions, kept, self.pooled):
-            if pooled:
-                variables[mean_at].assign(mean)
-                variables[variance_at].assign(variance)
+    def element_counts(self, layer, inputs, mask):
+        """Float32 [channels]: the elements each channel's moments cover
+        (every element of the reduced axes, or those the mask leaves in)."""
+        channels = int(layer.moving_mean.shape[0])
+        axes = tuple(layer._reduction_axes)
+        if mask is None:
+            count = 1
+            for axis in axes:
+                count *= inputs.shape[axis]
+            return ops.full([channels], count, "float32")
+        weights = ops.broadcast_to(
+            ops.expand_dims(ops.cast(mask, "float32"), -1), inputs.shape)
+        return ops.reshape(ops.sum(weights, axis=axes), [channels])
 
     def keep_moving(self, new_values, old_values):
         """`new_values` (the step's non-trainable values) with each pooled
@@ -202,30 +204,16 @@ class PooledStatistics:
                 variables[variance_at].assign(moved[variance_at])
 
 
-def _recording_moments(layer, calls):
-    """`layer._moments` that appends what it returns to `calls`."""
+def _recording_moments(layer, calls, element_counts):
+    """`layer._moments` that appends what it returns, with
+    `element_counts(layer, inputs, mask)`, to `calls`."""
     original = type(layer)._moments.__get__(layer)
 
     def moments(inputs, mask):
         mean, variance = original(inputs, mask)
         if is_symbolic_call():
             return mean, variance
-        calls.append((_element_counts(layer, inputs, mask), mean, variance))
+        calls.append((element_counts(layer, inputs, mask), mean, variance))
         return mean, variance
 
     return moments
-
-
-def _element_counts(layer, inputs, mask):
-    """Float32 [channels]: the elements each channel's moments cover (every
-    element of the reduced axes, or those the mask leaves in)."""
-    channels = int(layer.moving_mean.shape[0])
-    axes = tuple(layer._reduction_axes)
-    if mask is None:
-        count = 1
-        for axis in axes:
-            count *= inputs.shape[axis]
-        return ops.full([channels], count, "float32")
-    weights = ops.broadcast_to(
-        ops.expand_dims(ops.cast(mask, "float32"), -1), inputs.shape)
-    return ops.reshape(ops.sum(weights, axis=axes), [channels])

@@ -48,6 +48,8 @@ class StatelessAccumulation(WindowLifecycle):
 
     # The array operations of the window end's mean gradient.
     ops = KERAS_OPS
+    # The pooled BatchNormalization statistics of a model.
+    Statistics = PooledStatistics
 
     def __init__(self, settings):
         self._check_settings(settings)
@@ -179,7 +181,7 @@ class StatelessAccumulation(WindowLifecycle):
             else [False] * len(variables))
         # Where each layer's moving statistics sit among the non-trainable
         # variables follows which weights are trainable now.
-        self.statistics = PooledStatistics(model)
+        self.statistics = self.Statistics(model)
         if self.window is not None and self.window.matches(variables):
             return
         self.window = _Window(variables, core_window.empty_state(

@@ -22,8 +22,8 @@ window, `.grad` holds the window: code that calls `backward()` or
 `zero_grad()` on the model's weights then changes it.
 
 BatchNormalization layers' moving statistics are pooled over the window:
-the forward pass records their moments and the step puts their moving
-statistics back as they were, until the window moves them once.
+the forward pass records their moments without moving them
+(`torch_normalization`), until the window moves them once.
 
 Not on PyTorch (each refused by name before training): `jit_compile=True`
 (`torch.compile` of the step), several processes (`torch.distributed`:
@@ -51,6 +51,7 @@ from accum_model.keras3.stateless_ops import KERAS_SHAPES
 from accum_model.keras3.stateless_training import StatelessAdapter
 from accum_model.keras3.stateless_training import (
     has_default_micro_batch_weight)
+from accum_model.keras3.torch_normalization import TorchPooledStatistics
 
 
 def _divide_all_no_nan(arrays, denominator):
@@ -70,6 +71,7 @@ class TorchAccumulation(stateless_window.StatelessAccumulation):
     """
 
     ops = KERAS_OPS._replace(divide_all_no_nan=_divide_all_no_nan)
+    Statistics = TorchPooledStatistics
 
     def __init__(self, settings):
         super().__init__(settings)
@@ -282,14 +284,13 @@ def accumulating_train_step(model, data):
     default_weight = has_default_micro_batch_weight(type(model))
     statistics = accumulation.statistics
     accumulation._traced_window = window.state
-    kept = statistics.kept_values(model)
     with statistics.recording() as records:
         if model._call_has_training_arg:
             y_pred = model(x, training=True)
         else:
             y_pred = model(x)
     moments = statistics.moments_of(records)
-    statistics.put_back(kept, model)
+    statistics.move_unpooled(model)
     in_grads = accumulation.sums_in_grads(model)
     if not in_grads:
         model.zero_grad()
