@@ -105,9 +105,11 @@ def _large_batch(task):
     return plain
 
 
-@pytest.mark.parametrize("task", sorted(TASKS))
-@pytest.mark.parametrize("use", ["mixin", "accumulating"])
-@pytest.mark.parametrize("replicas", [1, 2])
+# Every pair of a task, a way to make it accumulate and a replica count
+# meets in some case: four cases rather than all eight.
+@pytest.mark.parametrize("task, use, replicas", [
+    ("causal_lm", "mixin", 1), ("causal_lm", "accumulating", 2),
+    ("classifier", "mixin", 2), ("classifier", "accumulating", 1)])
 def test_task_matches_the_large_batch(task, use, replicas, two_replicas):
     make, plain_class, mixin_class, make_data = TASKS[task]
     plain = _large_batch(task)
