@@ -126,10 +126,8 @@ class PooledStatistics:
         channels = int(layer.moving_mean.shape[0])
         axes = tuple(layer._reduction_axes)
         if mask is None:
-            count = 1
-            for axis in axes:
-                count *= inputs.shape[axis]
-            return ops.full([channels], count, "float32")
+            return ops.full([channels], unmasked_count(layer, inputs),
+                            "float32")
         weights = ops.broadcast_to(
             ops.expand_dims(ops.cast(mask, "float32"), -1), inputs.shape)
         return ops.reshape(ops.sum(weights, axis=axes), [channels])
@@ -202,6 +200,14 @@ class PooledStatistics:
             if pooled:
                 variables[mean_at].assign(moved[mean_at])
                 variables[variance_at].assign(moved[variance_at])
+
+
+def unmasked_count(layer, inputs):
+    """Int: the elements each channel's moments cover without a mask."""
+    count = 1
+    for axis in layer._reduction_axes:
+        count *= inputs.shape[axis]
+    return count
 
 
 def _recording_moments(layer, calls, element_counts):

@@ -25,6 +25,7 @@ import torch
 from keras import ops
 
 from accum_model.keras3.stateless_normalization import PooledStatistics
+from accum_model.keras3.stateless_normalization import unmasked_count
 
 
 class TorchPooledStatistics(PooledStatistics):
@@ -59,10 +60,7 @@ class TorchPooledStatistics(PooledStatistics):
         if mask is None:
             # A number, which the in-place sums add without an operation of
             # its own per layer.
-            count = 1
-            for axis in layer._reduction_axes:
-                count *= inputs.shape[axis]
-            return float(count)
+            return float(unmasked_count(layer, inputs))
         return super().element_counts(layer, inputs, mask)
 
     def detached(self, value):

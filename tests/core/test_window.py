@@ -519,3 +519,40 @@ def test_a_restored_window_takes_its_counters_and_is_measured_only_if_empty():
         config=config), OPS)[2]) == 0.0
     empty = window.restored(state, dict(counters, micro_steps=0.0), OPS)
     assert float(empty.noise_measurable) == 1.0
+
+
+def test_a_backends_list_division_gives_the_same_mean_gradients():
+    # `divide_all_no_nan` divides every float32 sum at once; the mean is the
+    # per-array division's, a weight of zero included, and a variable
+    # Keras overwrites or no micro-batch reached is left to the rule.
+    calls = []
+
+    def divide_all_no_nan(arrays, denominator):
+        calls.append(len(arrays))
+        return [arithmetic.divide_no_nan(a, denominator, OPS) for a in arrays]
+
+    listing = OPS._replace(divide_all_no_nan=divide_all_no_nan)
+    for weight in (3.0, 0.0):
+        state = _add(_state(), 0, weight)
+        for config in (_config(), _config(has_gradient=(True, False)),
+                       window.WindowConfig(overwrite=(True, False))):
+            expected = window.mean_gradients(config, state,
+                                             ["float32"] * 2, OPS)
+            listed = window.mean_gradients(config, state, ["float32"] * 2,
+                                           listing)
+            for a, b in zip(expected, listed):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    np.testing.assert_array_equal(a, b)
+    assert calls == [2, 1, 1] * 2
+
+
+def test_a_reset_takes_the_stores_zero_sums_where_given():
+    state = _add(_state(), 0, 2.0)
+    zeros = [np.zeros(shape, "float32") for shape in SHAPES]
+    emptied = window.reset(state, OPS, zeros)
+    assert all(a is b for a, b in zip(emptied.gradient_sums, zeros))
+    assert int(emptied.micro_steps) == 0
+    skipped = window.skipped(state, OPS, zeros)
+    assert all(a is b for a, b in zip(skipped.gradient_sums, zeros))
+    assert int(skipped.skipped_windows) == 1
