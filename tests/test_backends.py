@@ -222,3 +222,43 @@ def test_settings_jax_cannot_carry_are_refused_at_construction(settings,
     with pytest.raises(ValueError, match=name):
         mlp(AccumulatingModel, n_gradients=2, **settings)
 
+
+
+def _jax_step_memory(model, x, y):
+    """Bytes the compiled training step holds (its arguments, the donated
+    state among them, and its temporaries), jitted as Keras's fit() jits
+    it."""
+    import functools
+
+    import jax
+
+    model.train_on_batch(x, y)  # Builds the model and its window.
+    model.make_train_function()
+    state = model._get_jax_state(
+        trainable_variables=True, non_trainable_variables=True,
+        optimizer_variables=True, metrics_variables=True)
+    step = jax.jit(functools.partial(type(model).train_step, model),
+                   donate_argnums=0)
+    analysis = step.lower(state, (x, y)).compile().memory_analysis()
+    return analysis.argument_size_in_bytes + analysis.temp_size_in_bytes
+
+
+@jax_only
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_the_compiled_jax_step_holds_one_copy_of_the_weights_beyond_plain(
+        policy):
+    # The window's sums are the one copy; emptying them in the window end's
+    # conditional held every sum a second time.
+    x, y = regression_data(samples=32, features=256, outputs=1)
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        plain = _deep_mlp(keras.Model, 6, 256, "adam")
+        accumulating = _deep_mlp(AccumulatingModel, 6, 256, "adam",
+                                 n_gradients=4)
+        weight_bytes = 4 * sum(int(np.prod(v.shape))
+                               for v in plain.trainable_variables)
+        beyond = (_jax_step_memory(accumulating, x, y)
+                  - _jax_step_memory(plain, x, y))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert beyond <= 1.05 * weight_bytes, beyond / weight_bytes

@@ -153,14 +153,24 @@ def added(config, state, gradients, weight, loss, samples, ops, counts=True):
 
 
 def gradient_sums_added(config, state, gradients, weight, ops):
-    """The gradient sums with a micro-batch's gradients in."""
+    """The gradient sums with a micro-batch's gradients in. A window's
+    first micro-batch writes over what its sums held (see `reset`)."""
     first = state.micro_steps == 0
     return [
-        total if gradient is None
+        ops.where(first, ops.zeros_like(total), total) if gradient is None
         else largest(total, gradient, first, ops) if kept
-        else total + weighted(gradient, weight, ops.dtype_name(total), ops)
+        else ops.where(first, 0.0, total) + weighted(
+            gradient, weight, ops.dtype_name(total), ops)
         for total, gradient, kept in zip(state.gradient_sums, gradients,
                                          config.overwrite)]
+
+
+def counted_gradient_sums(state, ops):
+    """The gradient sums as they count: zeros for a window with no micro
+    step, whatever its store left in them (see `reset`)."""
+    empty = state.micro_steps == 0
+    return [ops.where(empty, ops.zeros_like(total), total)
+            for total in state.gradient_sums]
 
 
 def weighted(gradient, weight, dtype, ops):
@@ -351,7 +361,13 @@ def measured(config, state, applied, ops):
 def reset(state, ops, zero_sums=None):
     """An empty window after `state`'s: it takes the next window's length,
     and keeps the epoch's counts and estimates. `zero_sums`, where given,
-    are zero gradient sums the store has already."""
+    are zero gradient sums the store has already.
+
+    The sums of a window with no micro step are never read as they are
+    (`gradient_sums_added`, `counted_gradient_sums`), so a store may keep
+    the last window's sums instead of these zeros: a compiled step that
+    empties them where the window might end holds every sum twice.
+    """
     return state._replace(
         gradient_sums=(list(zero_sums) if zero_sums is not None
                        else [ops.zeros_like(s) for s in state.gradient_sums]),

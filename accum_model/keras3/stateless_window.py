@@ -337,12 +337,36 @@ def add_micro_batch(accumulation, trainable, optimizer_values, window,
         non_trainable = accumulation.statistics.moved(
             window.statistics_sums, non_trainable, ends)
     operands = (list(trainable), optimizer_values, window)
-    trainable, optimizer_values, window = ops.cond(
-        ends, lambda: end_window(accumulation, (
-            operands[0], operands[1], accumulation.with_held_sums(window))),
-        lambda: operands)
+    if isinstance(ends, bool):
+        # Run eagerly: only the branch taken runs.
+        trainable, optimizer_values, window = (
+            end_window(accumulation, (operands[0], operands[1],
+                                      accumulation.with_held_sums(window)))
+            if ends else operands)
+    else:
+        trainable, optimizer_values, window = _traced_end(
+            accumulation, ends, operands)
     return (trainable, non_trainable, optimizer_values, window, ends,
             window_loss, window_samples)
+
+
+def _traced_end(accumulation, ends, operands):
+    """`end_window` where `ends` is traced. The conditional returns no
+    gradient sums: the window keeps its sums as they are, read as zeros
+    once it has no micro step (see `core.window.reset`), so the compiled
+    step writes each sum once, in place."""
+    trainable, optimizer_values, window = operands
+
+    def without_sums(result):
+        trainable, optimizer_values, window = result
+        return (list(trainable), list(optimizer_values),
+                window._replace(gradient_sums=[]))
+
+    trainable, optimizer_values, emptied = ops.cond(
+        ends, lambda: without_sums(end_window(accumulation, operands)),
+        lambda: without_sums(operands))
+    return trainable, optimizer_values, emptied._replace(
+        gradient_sums=window.gradient_sums)
 
 
 def end_window(accumulation, operands):
@@ -436,7 +460,8 @@ class StatelessWindowCheckpoint(InKerasFiles, layout.RestoredWindow):
             return self._pending
         state = accumulation.with_held_sums(accumulation.window.state)
         return layout.saved_state(
-            [ops.convert_to_numpy(s) for s in state.gradient_sums],
+            [ops.convert_to_numpy(s) for s in
+             core_window.counted_gradient_sums(state, KERAS_OPS)],
             [True] * len(state.gradient_sums),
             {name: float(getattr(state, name)) for name in layout.COUNTERS},
             [ops.convert_to_numpy(s) for s in state.statistics_sums],
