@@ -312,6 +312,20 @@ def _peak_memory_bytes(device):
     return stats.get("peak_bytes_in_use")
 
 
+def _compile_options(precision):
+    """`compile()`'s arguments for a precision of the GPU suite: each
+    backend as its users run it (Keras's default, "auto", compiles JAX's
+    step and runs PyTorch's eagerly); "+jit" rows only on TensorFlow."""
+    if BACKEND == "tensorflow":
+        return {"jit_compile": precision.endswith("+jit")}
+    return {}
+
+
+def _runs_compiled(model):
+    """Whether fit() will compile `model`'s step (read after compile())."""
+    return model.jit_compile is True and not model.run_eagerly
+
+
 def gpu_child(config):
     """Fresh process: one configuration of the GPU suite; prints JSON."""
     spec = json.loads(config)
@@ -342,8 +356,11 @@ def gpu_child(config):
             optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
             loss=keras.losses.SparseCategoricalCrossentropy(
                 from_logits=spec.get("model") == "causal_lm"),
-            jit_compile=precision.endswith("+jit"),
+            **_compile_options(precision),
         )
+        if BACKEND == "jax" and not _runs_compiled(model):
+            sys.exit("the GPU suite's JAX step would run eagerly, op by op; "
+                     "compile it as fit() does by default")
         # Warm-up: traces and compiles; not timed.
         warm_up = batch * max(n, 2)
         model.fit(keras.tree.map_structure(lambda a: a[:warm_up], x),
@@ -360,6 +377,7 @@ def gpu_child(config):
         "peak_mib": None if peak is None else peak / 2**20,
         "accumulator_mib": getattr(model, "accumulator_bytes", 0) / 2**20,
         "parameters": model.count_params(),
+        "compiled": _runs_compiled(model),
     }))
 
 

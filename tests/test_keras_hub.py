@@ -4,12 +4,18 @@ Each task is used both ways a user would: as a mixin base
 (`class X(AccumulatingModel, Task)`) and through `accumulating(task)`.
 """
 
+import json
+import pathlib
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import pytest
 
 from accum_model import AccumulatingModel
 from accum_model import accumulating
+from backends import jax_only
 from helpers import iterations
 from helpers import max_weight_difference
 
@@ -233,3 +239,25 @@ def test_clone_of_an_accumulating_task_accumulates_alike(use):
         model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
     assert iterations(task) == iterations(clone) == 2
     assert max_weight_difference(task, clone) <= 1e-6
+
+
+@jax_only("the check that the suite's step is compiled is JAX's")
+def test_the_gpu_suites_child_compiles_the_jax_step():
+    # benchmarks/run_benchmarks.py --device gpu times each configuration in
+    # a child like this one; on JAX a step run eagerly, op by op, would
+    # measure neither what JAX users run nor the window.
+    spec = {"device": "cpu", "precision": "float32", "image_size": 32,
+            "batch": 2, "n_gradients": 2, "steps": 2, "model": "causal_lm",
+            "lm": {"vocabulary_size": 50, "num_layers": 1, "num_heads": 2,
+                   "hidden_dim": 16, "intermediate_dim": 32,
+                   "max_sequence_length": 8}}
+    script = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / (
+        "run_benchmarks.py")
+    result = subprocess.run(
+        [sys.executable, str(script), "--backend", "jax",
+         "--gpu-child", json.dumps(spec)],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["compiled"] is True
+    assert figures["accumulator_mib"] > 0
