@@ -72,9 +72,17 @@ def _images(n):
 MODELS = {
     "mlp_8x512": _mlp(512, 8),
     "mlp_2x1024": _mlp(1024, 2),
+    "mlp_2x4096": _mlp(4096, 2),
     "resnet50_32x32": (_resnet, _images, 8),
 }
-POLICIES = ("float32", "mixed_bfloat16")
+# A process's peak resident memory holds a few MiB of noise: PyTorch's
+# figures come from models whose copies of the weights are far larger.
+DEFAULT_MODELS = {
+    "jax": ("mlp_8x512", "mlp_2x1024", "resnet50_32x32"),
+    "torch": ("mlp_2x4096", "resnet50_32x32"),
+}
+# bfloat16 matrix products are slow on a CPU: PyTorch's runs are float32.
+POLICIES = {"jax": ("float32", "mixed_bfloat16"), "torch": ("float32",)}
 
 
 def _compiled(name, accumulating, policy):
@@ -166,7 +174,8 @@ def torch_peak_memory(name, policy):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
-    parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--models", nargs="*", choices=list(MODELS),
+                        help="default: each backend's in DEFAULT_MODELS")
     parser.add_argument("--torch-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.torch_child:
@@ -180,8 +189,8 @@ def main():
         sys.exit(f"KERAS_BACKEND must be jax or torch; got {backend}")
     print(machine())
     results = {"machine": machine(), "window": WINDOW, "models": {}}
-    for name in args.models:
-        for policy in POLICIES:
+    for name in args.models or DEFAULT_MODELS[backend]:
+        for policy in POLICIES[backend]:
             figures = measure(name, policy)
             results["models"][f"{name}/{policy}"] = figures
             if backend == "jax":

@@ -36,8 +36,9 @@ ArrayOps = collections.namedtuple("ArrayOps", [
     "squared_norm",
     # `(arrays, denominator) -> [divide_no_nan(a, denominator) for a in
     # arrays]` for float32 arrays, where the backend does it in fewer
-    # operations than one per array (PyTorch's `torch._foreach_div`); None
-    # otherwise.
+    # operations than one per array (PyTorch's `torch._foreach_div_`); None
+    # otherwise. It may divide `arrays` in place: the window end divides
+    # its gradient sums last (`core.window.mean_gradients`).
     "divide_all_no_nan",
 ], defaults=(None,) * 12)
 

@@ -94,9 +94,12 @@ class StatelessAccumulation(WindowLifecycle):
         backend runs it outside a training step."""
         return end
 
-    def with_held_sums(self, state):
+    def with_held_sums(self, state, consume=False):
         """`state` with the window's gradient sums in it, where the backend
-        holds them elsewhere (PyTorch's `.grad`); else `state` itself."""
+        holds them elsewhere (PyTorch's `.grad`); else `state` itself.
+        `consume`: the window ends, and what holds the sums may be turned
+        into them in place."""
+        del consume
         return state
 
     def zero_sums(self):
@@ -265,7 +268,8 @@ class StatelessAccumulation(WindowLifecycle):
         if self._apply_open is None or self._apply_open[0] != key:
             self._apply_open = key, self._eager_end(functools.partial(
                 end_window, self))
-        state = self.window.state = self.with_held_sums(self.window.state)
+        state = self.window.state = self.with_held_sums(self.window.state,
+                                                        consume=True)
         window_loss = core_window.loss(self.window_config(), state,
                                        KERAS_OPS)
         samples = state.sample_sum
@@ -341,7 +345,8 @@ def add_micro_batch(accumulation, trainable, optimizer_values, window,
         # Run eagerly: only the branch taken runs.
         trainable, optimizer_values, window = (
             end_window(accumulation, (operands[0], operands[1],
-                                      accumulation.with_held_sums(window)))
+                                      accumulation.with_held_sums(
+                                          window, consume=True)))
             if ends else operands)
     else:
         trainable, optimizer_values, window = _traced_end(
@@ -372,14 +377,18 @@ def _traced_end(accumulation, ends, operands):
 def end_window(accumulation, operands):
     """Applies the window in `operands` (trainable values, optimizer
     values, `WindowState`) with the optimizer, or skips it when it
-    overflowed; returns the three with the window emptied."""
+    overflowed; returns the three with the window emptied. The mean
+    gradient is taken last of all that reads the sums: a backend may divide
+    them in place (`ArrayOps.divide_all_no_nan`)."""
     trainable, optimizer_values, state = operands
     scaling = accumulation.loss_scaling
     config = accumulation.window_config()
     zero_sums = accumulation.zero_sums()
-    gradients = core_window.mean_gradients(
-        config, state, [value.dtype for value in trainable],
-        accumulation.ops)
+
+    def mean_gradients():
+        return core_window.mean_gradients(
+            config, state, [value.dtype for value in trainable],
+            accumulation.ops)
 
     def apply(gradients):
         with learning_rate.scaled_by(scaling.optimizer,
@@ -391,21 +400,22 @@ def end_window(accumulation, operands):
         scale = optimizer_values[scaling.scale_index()]
         fits = core_window.is_finite(state, KERAS_OPS) & (
             core_window.fits_float16(config, state, scale, KERAS_OPS))
+        emptied = core_window.closed(config, state, fits, KERAS_OPS,
+                                     zero_sums)
         # Keras's own LossScaleOptimizer unscales, checks, applies or
         # skips, and moves the scale, as after one large batch.
         # (Keras never scales what it overwrites with the "gradient".)
         trainable, optimizer_values = apply([
             g if overwrite or g is None
             else ops.where(fits, g * ops.cast(scale, g.dtype), float("inf"))
-            for g, overwrite in zip(gradients, config.overwrite)])
-        return list(trainable), list(optimizer_values), core_window.closed(
-            config, state, fits, KERAS_OPS, zero_sums)
+            for g, overwrite in zip(mean_gradients(), config.overwrite)])
+        return list(trainable), list(optimizer_values), emptied
 
     def update(operands):
-        trainable, optimizer_values = apply(gradients)
-        return (list(trainable), list(optimizer_values),
-                core_window.reset(core_window.measured(
-                    config, state, True, KERAS_OPS), KERAS_OPS, zero_sums))
+        emptied = core_window.reset(core_window.measured(
+            config, state, True, KERAS_OPS), KERAS_OPS, zero_sums)
+        trainable, optimizer_values = apply(mean_gradients())
+        return list(trainable), list(optimizer_values), emptied
 
     def skip(operands):
         trainable, optimizer_values, state = operands

@@ -55,11 +55,15 @@ from accum_model.keras3.torch_normalization import TorchPooledStatistics
 
 
 def _divide_all_no_nan(arrays, denominator):
+    # In place: the window's sums are read for the last time here, so its
+    # mean takes no second copy of the weights.
     if not arrays:
         return []
     if bool(denominator == 0):  # A window whose every element is masked.
-        return [torch.zeros_like(array) for array in arrays]
-    return list(torch._foreach_div(arrays, denominator))
+        torch._foreach_zero_(arrays)
+    else:
+        torch._foreach_div_(arrays, denominator)
+    return list(arrays)
 
 
 class TorchAccumulation(stateless_window.StatelessAccumulation):
@@ -169,7 +173,7 @@ class TorchAccumulation(stateless_window.StatelessAccumulation):
         # A window in `.grad` leaves the state's own sums at zero.
         return self._zero_sums if self._sums_in == "grads" else None
 
-    def with_held_sums(self, state):
+    def with_held_sums(self, state, consume=False):
         if self._sums_in != "grads":
             return state
         self._zero_sums = state.gradient_sums
@@ -182,7 +186,13 @@ class TorchAccumulation(stateless_window.StatelessAccumulation):
             factor = factor / (self.loss_scaling.current_scale()
                                * self._grads_share)
         present = [g for g in grads if g is not None]
-        sums = iter(torch._foreach_mul(present, factor) if present else ())
+        if consume and present:
+            # `.grad` becomes the sums: no second copy of the weights.
+            torch._foreach_mul_(present, factor)
+            sums = iter(present)
+        else:
+            sums = iter(torch._foreach_mul(present, factor) if present
+                        else ())
         return state._replace(gradient_sums=[
             ops.zeros_like(v.value) if g is None else next(sums)
             for g, v in zip(grads, variables)])
@@ -190,7 +200,8 @@ class TorchAccumulation(stateless_window.StatelessAccumulation):
     def _move_sums_to_state(self):
         """Moves sums `.grad` holds into the window's state."""
         if self._sums_in == "grads":
-            self.window.state = self.with_held_sums(self.window.state)
+            self.window.state = self.with_held_sums(self.window.state,
+                                                    consume=True)
             self._empty_grads()
         self._sums_in = "state"
 
