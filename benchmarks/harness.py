@@ -156,3 +156,25 @@ def plain_keras_class():
                     for name, value in super().train_step(data).items()}
 
     return PlainKeras
+
+
+# The compiled JAX step ------------------------------------------------------
+
+
+def jax_step_memory(model, x, y):
+    """`memory_analysis()` of `model`'s training step on a batch `(x, y)`,
+    jitted as Keras's `fit()` jits it (the state donated), after one
+    `train_on_batch` that builds the model (and an accumulating model's
+    window)."""
+    import functools
+
+    import jax
+
+    model.train_on_batch(x, y)
+    model.make_train_function()
+    state = model._get_jax_state(
+        trainable_variables=True, non_trainable_variables=True,
+        optimizer_variables=True, metrics_variables=True)
+    step = jax.jit(functools.partial(type(model).train_step, model),
+                   donate_argnums=0)
+    return step.lower(state, (x, y)).compile().memory_analysis()

@@ -18,7 +18,6 @@ Run: KERAS_BACKEND=jax python benchmarks/step_memory.py [--out DIR]
 
 import argparse
 import datetime
-import functools
 import json
 import os
 import resource
@@ -31,6 +30,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from accum_model import AccumulatingModel  # noqa: E402
+from harness import jax_step_memory  # noqa: E402
 from harness import machine  # noqa: E402
 from harness import write_json  # noqa: E402
 
@@ -101,25 +101,15 @@ def _weight_bytes(model):
     return sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
 
 
-def jax_step_memory(name, policy):
+def jax_figures(name, policy):
     """The compiled step's arguments and temporaries, plain and
     accumulating, in float32 copies of the trainable weights."""
-    import jax
-
     _, data, batch = MODELS[name]
     x, y = data(batch)
     figures = {}
     for label, accumulating in (("plain", False), ("accumulating", True)):
         model = _compiled(name, accumulating, policy)
-        model.train_on_batch(x, y)  # Builds the model and its window.
-        model.make_train_function()
-        state = model._get_jax_state(
-            trainable_variables=True, non_trainable_variables=True,
-            optimizer_variables=True, metrics_variables=True)
-        # As Keras's fit() jits the step: the state is donated.
-        step = jax.jit(functools.partial(type(model).train_step, model),
-                       donate_argnums=0)
-        analysis = step.lower(state, (x, y)).compile().memory_analysis()
+        analysis = jax_step_memory(model, x, y)
         copies = float(_weight_bytes(model))
         figures["weights_mib"] = copies / MIB
         figures[label] = {
@@ -153,7 +143,7 @@ def _torch_peak_child(name, policy, accumulating):
         * 1024, "weight_bytes": _weight_bytes(model)}))
 
 
-def torch_peak_memory(name, policy):
+def torch_peak_figures(name, policy):
     """Each model's peak resident memory in a fresh process, and the
     window's beyond plain Keras, in float32 copies of the weights."""
     figures = {}
@@ -183,7 +173,7 @@ def main():
         _torch_peak_child(name, policy, accumulating == "1")
         return
     backend = keras.backend.backend()
-    measure = {"jax": jax_step_memory, "torch": torch_peak_memory}.get(
+    measure = {"jax": jax_figures, "torch": torch_peak_figures}.get(
         backend)
     if measure is None:
         sys.exit(f"KERAS_BACKEND must be jax or torch; got {backend}")

@@ -20,6 +20,7 @@ import pytest
 
 from accum_model import AccumulatingModel
 from backends import BACKEND
+from helpers import harness
 from helpers import iterations
 from helpers import mlp
 from helpers import regression_data
@@ -225,21 +226,9 @@ def test_settings_jax_cannot_carry_are_refused_at_construction(settings,
 
 
 def _jax_step_memory(model, x, y):
-    """Bytes the compiled training step holds (its arguments, the donated
-    state among them, and its temporaries), jitted as Keras's fit() jits
-    it."""
-    import functools
-
-    import jax
-
-    model.train_on_batch(x, y)  # Builds the model and its window.
-    model.make_train_function()
-    state = model._get_jax_state(
-        trainable_variables=True, non_trainable_variables=True,
-        optimizer_variables=True, metrics_variables=True)
-    step = jax.jit(functools.partial(type(model).train_step, model),
-                   donate_argnums=0)
-    analysis = step.lower(state, (x, y)).compile().memory_analysis()
+    """Bytes the compiled training step holds: its arguments, the donated
+    state among them, and its temporaries."""
+    analysis = harness.jax_step_memory(model, x, y)
     return analysis.argument_size_in_bytes + analysis.temp_size_in_bytes
 
 
