@@ -7,6 +7,7 @@ Backends are imported where a function needs them, so that every benchmark
 this module on any backend.
 """
 
+import functools
 import json
 import os
 import pathlib
@@ -166,8 +167,6 @@ def jax_step_memory(model, x, y):
     jitted as Keras's `fit()` jits it (the state donated), after one
     `train_on_batch` that builds the model (and an accumulating model's
     window)."""
-    import functools
-
     import jax
 
     model.train_on_batch(x, y)

@@ -224,7 +224,6 @@ def test_settings_jax_cannot_carry_are_refused_at_construction(settings,
         mlp(AccumulatingModel, n_gradients=2, **settings)
 
 
-
 def _jax_step_memory(model, x, y):
     """Bytes the compiled training step holds: its arguments, the donated
     state among them, and its temporaries."""
