@@ -6,8 +6,10 @@ from accum_model import _chooser  # noqa: F401  isort: skip
 
 from accum_model._existing_models import accumulating  # noqa: E402
 from accum_model.accumulating_model import AccumulatingModel  # noqa: E402
+from accum_model.large_batch_check import (  # noqa: E402
+    LargeBatchComparison, compare_with_large_batch)
 from accum_model.window_from_noise_scale import (  # noqa: E402
     WindowFromNoiseScale)
 
-__all__ = ["AccumulatingModel", "WindowFromNoiseScale", "accumulating",
-           "__version__"]
+__all__ = ["AccumulatingModel", "LargeBatchComparison", "WindowFromNoiseScale",
+           "accumulating", "compare_with_large_batch", "__version__"]

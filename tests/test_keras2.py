@@ -23,6 +23,7 @@ from helpers import max_weight_difference
 from helpers import mlp
 from helpers import regression_data
 from helpers import traced_step
+from test_large_batch_check import check_exact_and_misweighted_models
 
 pytestmark = pytest.mark.skipif(
     _chooser.KERAS_MAJOR != 2, reason="tf.keras is not Keras 2 here"
@@ -1258,3 +1259,9 @@ def test_fit_before_compile_gives_keras_own_error():
     for model in (mlp(keras.Model), mlp(AccumulatingModel, n_gradients=2)):
         with pytest.raises(RuntimeError, match="compile"):
             model.fit(x, y, batch_size=8, verbose=0)
+
+
+# The check users run on their own model --------------------------------
+
+def test_the_large_batch_check_finds_exact_and_misweighted_models():
+    check_exact_and_misweighted_models()

@@ -72,6 +72,15 @@ class Adapter:
         return []
 
     @staticmethod
+    def compile_arguments(model):
+        """The keyword arguments `model.compile` was last called with, or
+        None before it was. Both Kerases keep them in the private
+        `_compile_config.config` (checked on keras 3.6.0-3.15.1 and Keras 2
+        on TensorFlow 2.13.1 and tf_keras 2.21.0)."""
+        return getattr(getattr(model, "_compile_config", None), "config",
+                       None)
+
+    @staticmethod
     def is_foreign_layer(value):
         """Whether `value` is a layer of another Keras, whose weights this
         one does not see."""

@@ -1,0 +1,319 @@
+"""`compare_with_large_batch`: does accumulation train this model like the
+large batch? A check users run on their own model and data.
+
+Two copies of the model start from its weights with fresh copies of its
+optimizer: one accumulates `n_gradients` micro-batches of `batch_size`, the
+other is plain Keras on batches of `n_gradients * batch_size`, on the same
+samples in the same order. A third, plain on the large batches with each
+batch's samples reversed, is the same training in exact arithmetic: how far
+it lands from the second is the float32 rounding floor. The model itself,
+its optimizer and its state are left as they were.
+"""
+
+import dataclasses
+import warnings
+
+import numpy as np
+
+from accum_model._chooser import adapter
+from accum_model._chooser import keras
+from accum_model._existing_models import accumulating
+from accum_model.accumulating_model import AccumulatingModel
+from accum_model.core.settings import Settings
+
+# How far above the rounding floor the accumulating copy may land and still
+# count as the large batch: summation orders differ between the two.
+FLOOR_FACTOR = 10.0
+# Layers that draw random numbers in training, and what switches each off.
+_RANDOM_LAYER_SWITCHES = {"Dropout": "rate", "SpatialDropout1D": "rate",
+                          "SpatialDropout2D": "rate",
+                          "SpatialDropout3D": "rate", "AlphaDropout": "rate",
+                          "GaussianDropout": "rate",
+                          "GaussianNoise": "stddev"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LargeBatchComparison:
+    """What `compare_with_large_batch` found.
+
+    Attributes:
+        max_weight_difference: Float. The largest absolute difference of a
+            weight between the accumulating copy and the large batch's.
+        rounding_floor: Float. How far the large batch lands from itself
+            with each batch's samples in another order (at least float32's
+            epsilon times the largest weight).
+        matches: Bool. Whether the accumulating copy lands within
+            `FLOOR_FACTOR` times `rounding_floor` of the large batch's
+            (with their random layers switched off, where the model has
+            any).
+        causes: Tuple of str. What in the model or its set-up makes the two
+            differ, each naming what to change: random layers, narrow
+            accumulators, and every warning the accumulating copy raised
+            that the large batch's did not (BatchNormalization in training,
+            a loss whose divisor cannot be read, ...).
+        difference_without_random_layers: Float, or None. The same
+            comparison with the copies' random layers switched off (their
+            rate or stddev set to 0), where the model has any; the rounding
+            floor is then measured with them off too.
+        windows: Int. Optimizer updates each copy made.
+    """
+
+    max_weight_difference: float
+    rounding_floor: float
+    matches: bool
+    causes: tuple
+    difference_without_random_layers: object
+    windows: int
+
+    def __str__(self):
+        verdict = ("matches the large batch" if self.matches
+                   else "differs from the large batch")
+        if self.difference_without_random_layers is not None:
+            verdict += " with its random layers switched off"
+        lines = [
+            f"accumulation {verdict} over {self.windows} windows: max "
+            f"|weight difference| {self.max_weight_difference:.2e}, float32 "
+            f"rounding floor {self.rounding_floor:.2e}"]
+        if self.difference_without_random_layers is not None:
+            lines.append(
+                "with the copies' random layers switched off: "
+                f"{self.difference_without_random_layers:.2e} (the floor "
+                "too is measured with them off)")
+        lines += [f"- {cause}" for cause in self.causes]
+        return "\n".join(lines)
+
+
+def compare_with_large_batch(model, x, y=None, *, batch_size, n_gradients,
+                             steps=3, sample_weight=None, seed=0):
+    """Trains copies of `model` with accumulation and with the large batch,
+    and reports how far apart their weights land.
+
+    Use it when accumulation seems to train differently from the large
+    batch: it tells a real difference from float32 rounding and names what
+    in the model explains it (Dropout and other random layers draw other
+    numbers for micro-batches than for one large batch; BatchNormalization
+    normalizes each micro-batch by its own statistics; a loss whose divisor
+    accumulation cannot read, which it warns of; accumulators narrower than
+    float32). `model` is not changed: the copies are made with
+    `keras.models.clone_model` and compiled with fresh copies of its
+    optimizer and its loss.
+
+    Args:
+        model: A compiled `keras.Model`, accumulating or not. Where it is an
+            `AccumulatingModel`, its other settings (`accumulator_dtype`,
+            ...) are the accumulating copy's.
+        x: Input data: arrays, or a dict or list of arrays, as `fit()`
+            takes them (not a dataset or generator).
+        y: Target data, like `x`, or None.
+        batch_size: Int >= 1. Samples per micro-batch.
+        n_gradients: Int >= 1. Micro-batches per window.
+        steps: Int >= 1. Windows to train: the first
+            `steps * n_gradients * batch_size` samples (all of them where
+            there are fewer; the last window may then be short).
+        sample_weight: Optional sample weights, like `y`.
+        seed: Int. Random seed set before each copy trains.
+
+    Returns:
+        A `LargeBatchComparison`; `print()` it for a report.
+
+    Raises:
+        ValueError: `model` is not compiled, cannot be copied, or an
+            argument is out of range.
+    """
+    _check_arguments(model, x, batch_size, steps)
+    settings = (model._accumulation.settings.as_dict()
+                if isinstance(model, AccumulatingModel) else {})
+    settings["n_gradients"] = n_gradients
+    settings = Settings(**settings)
+    samples = min(_num_samples(x), steps * n_gradients * batch_size)
+    data = [_take(part, np.arange(samples))
+            for part in (x, y, sample_weight)]
+    large_batch = n_gradients * batch_size
+    windows = -(-samples // large_batch)
+
+    def run(switch_off_random_layers):
+        caught = {}
+        trained = {}
+        for name, window_batch in (("accumulating", batch_size),
+                                   ("large", large_batch),
+                                   ("reordered", large_batch)):
+            copy = _compiled_copy(model, settings if name == "accumulating"
+                                  else None)
+            if switch_off_random_layers:
+                _switch_off_random_layers(copy)
+            order = (_reversed_within(samples, large_batch)
+                     if name == "reordered" else np.arange(samples))
+            x_, y_, w_ = (_take(part, order) for part in data)
+            keras.utils.set_random_seed(seed)
+            with warnings.catch_warnings(record=True) as caught[name]:
+                warnings.simplefilter("always")
+                copy.fit(x_, y_, sample_weight=w_, batch_size=window_batch,
+                         epochs=1, shuffle=False, verbose=0)
+            trained[name] = copy.get_weights()
+        difference = _max_difference(trained["accumulating"],
+                                     trained["large"])
+        largest = max((float(np.max(np.abs(w))) for w in trained["large"]
+                       if w.size), default=0.0)
+        floor = max(_max_difference(trained["reordered"], trained["large"]),
+                    float(np.finfo(np.float32).eps) * largest)
+        plain_messages = {str(w.message) for w in caught["large"]}
+        new_warnings = list(dict.fromkeys(
+            str(w.message) for w in caught["accumulating"]
+            if str(w.message) not in plain_messages))
+        return difference, floor, new_warnings
+
+    difference, floor, new_warnings = run(switch_off_random_layers=False)
+    random_layers = _random_layers(model)
+    without_random = None
+    if random_layers:
+        # Reordered samples meet other random numbers: the floor, and the
+        # verdict, come from the copies with their random layers off.
+        without_random, floor, _ = run(switch_off_random_layers=True)
+    checked = difference if without_random is None else without_random
+    causes = _causes(random_layers, checked <= FLOOR_FACTOR * floor,
+                     settings)
+    causes += [f"the accumulating copy warned: {message}"
+               for message in new_warnings]
+    return LargeBatchComparison(
+        max_weight_difference=difference, rounding_floor=floor,
+        matches=checked <= FLOOR_FACTOR * floor, causes=tuple(causes),
+        difference_without_random_layers=without_random, windows=windows)
+
+
+def _check_arguments(model, x, batch_size, steps):
+    if not isinstance(model, keras.Model):
+        raise ValueError(
+            "`compare_with_large_batch` takes a `keras.Model`. Received: "
+            f"model of type {type(model).__name__}")
+    if getattr(model, "optimizer", None) is None or adapter.compile_arguments(
+            model) is None:
+        raise ValueError(
+            "`compare_with_large_batch` copies the model's compiled loss "
+            "and optimizer: call `model.compile(optimizer=..., loss=...)` "
+            "first. Received: an uncompiled model")
+    for name, value in (("batch_size", batch_size), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(
+                value, (int, np.integer)) or value < 1:
+            raise ValueError(
+                f"`{name}` must be an int >= 1. Received: {name}={value!r}")
+    if _num_samples(x) == 0:
+        raise ValueError(
+            "`x` must hold arrays of samples (not a dataset or generator). "
+            f"Received: x of type {type(x).__name__}")
+
+
+def _compiled_copy(model, settings):
+    """A copy of `model` with its weights, compiled as it is with a fresh
+    copy of its optimizer; accumulating with `settings`, or plain Keras
+    where `settings` is None."""
+    strategy = getattr(model, "distribute_strategy", None)
+    scope = strategy.scope() if strategy is not None else _no_scope()
+    with scope:
+        copy = _copy(model)
+        arguments = dict(adapter.compile_arguments(model))
+        optimizer = model.optimizer
+        arguments.update(
+            optimizer=type(optimizer).from_config(optimizer.get_config()),
+            metrics=None, weighted_metrics=None)
+        copy.compile(**arguments)
+    if settings is not None:
+        accumulating(copy, **settings.as_dict())
+    elif isinstance(copy, AccumulatingModel):
+        accumulating(copy, n_gradients=1)
+    return copy
+
+
+def _copy(model):
+    try:
+        copy = keras.models.clone_model(model)
+    except (ValueError, TypeError, NotImplementedError):
+        try:
+            copy = type(model).from_config(model.get_config())
+        except Exception as error:
+            raise ValueError(
+                "`compare_with_large_batch` copies the model with "
+                "`keras.models.clone_model`, or with `get_config` and "
+                f"`from_config`, and neither works for `{type(model).__name__}`"
+                f": {error}. Give the model a `get_config` that its "
+                "`from_config` rebuilds it from.") from error
+    copy.set_weights(model.get_weights())
+    return copy
+
+
+class _no_scope:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc_info):
+        return False
+
+
+def _num_samples(data):
+    if isinstance(data, dict):
+        data = list(data.values())
+    if isinstance(data, (list, tuple)):
+        return min((_num_samples(part) for part in data), default=0)
+    shape = getattr(data, "shape", None)
+    return int(shape[0]) if shape else 0
+
+
+def _take(data, index):
+    """`data` (arrays, or dicts, lists and tuples of them) at `index`."""
+    if data is None:
+        return None
+    if isinstance(data, dict):
+        return {key: _take(value, index) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return type(data)(_take(part, index) for part in data)
+    return np.asarray(data)[index]
+
+
+def _reversed_within(samples, batch):
+    """An order in which each batch holds its samples reversed."""
+    return np.concatenate([np.arange(start, min(start + batch, samples))[::-1]
+                           for start in range(0, samples, batch)])
+
+
+def _max_difference(weights_a, weights_b):
+    return max((float(np.max(np.abs(a - b))) for a, b in
+                zip(weights_a, weights_b) if a.size), default=0.0)
+
+
+def _random_layers(model):
+    """The model's layers that draw random numbers in training."""
+    return [layer for layer in adapter.layers_of(model)[1:]
+            if _random_switch(layer) is not None
+            or getattr(layer, "seed_generator", None) is not None]
+
+
+def _random_switch(layer):
+    """The attribute that switches `layer`'s randomness off, or None."""
+    for cls in type(layer).__mro__:
+        if cls.__name__ in _RANDOM_LAYER_SWITCHES and cls.__module__.split(
+                ".")[0] in ("keras", "tf_keras"):
+            return _RANDOM_LAYER_SWITCHES[cls.__name__]
+    return None
+
+
+def _switch_off_random_layers(model):
+    for layer in _random_layers(model):
+        switch = _random_switch(layer)
+        if switch is not None:
+            setattr(layer, switch, 0.0)
+
+
+def _causes(random_layers, matches_without_them, settings):
+    causes = []
+    if random_layers:
+        names = ", ".join(f"'{layer.name}'" for layer in random_layers)
+        causes.append(
+            f"random layers ({names}) draw their numbers per micro-batch, "
+            "not per large batch, so the weights differ by chance"
+            + ("; with them switched off the copies match the large batch"
+               if matches_without_them else ""))
+    if settings.accumulator_dtype in ("float16", "bfloat16"):
+        causes.append(
+            f"accumulator_dtype='{settings.accumulator_dtype}' sums "
+            "gradients in fewer bits than float32: set "
+            "accumulator_dtype='float32' for float32 rounding")
+    return causes

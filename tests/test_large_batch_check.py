@@ -1,0 +1,122 @@
+"""`compare_with_large_batch`: the check users run on their own model finds
+what plain Keras's large batch would do differently, and says why.
+
+Each case builds a model as a user would, runs the check, and asserts its
+verdict against what is known of the model: exact where accumulation is, a
+difference where the loss misweighs micro-batches, Dropout explained by
+switching it off in the copies. Runs on every Keras 3 backend and on
+Keras 2 (`tests/test_keras2.py` runs the last test's function there).
+"""
+
+import numpy as np
+import pytest
+
+from accum_model import AccumulatingModel
+from accum_model import compare_with_large_batch
+from accum_model._chooser import keras
+from helpers import regression_data
+
+
+def _model(model_class=None, dropout=0.0, loss="mse", **kwargs):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+    if dropout:
+        hidden = keras.layers.Dropout(dropout, name="dropout")(hidden)
+    outputs = keras.layers.Dense(3)(hidden)
+    model = (model_class or keras.Model)(inputs=inputs, outputs=outputs,
+                                          **kwargs)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
+    return model
+
+
+def _summed_over_batch(y_true, y_pred):
+    # Sums over the batch and divides by a constant: a micro-batch's share
+    # of the large batch's loss is then n times too small once averaged.
+    total = keras.ops.sum if hasattr(keras, "ops") else keras.backend.sum
+    return total((y_true - y_pred) ** 2) / 8.0
+
+
+def check_exact_and_misweighted_models():
+    """The check's verdicts on an exact model (with a short last window)
+    and on a loss that misweighs micro-batches; shared with Keras 2."""
+    x, y = regression_data(samples=100)
+    exact = compare_with_large_batch(_model(), x, y, batch_size=8,
+                                     n_gradients=4, steps=4)
+    # 100 samples in windows of 32: the last window holds 4.
+    assert exact.windows == 4
+    assert exact.matches, str(exact)
+    assert exact.max_weight_difference <= 10 * exact.rounding_floor
+    assert exact.causes == ()
+
+    misweighted = compare_with_large_batch(
+        _model(loss=_summed_over_batch), x, y, batch_size=8, n_gradients=4,
+        steps=4)
+    assert not misweighted.matches
+    assert misweighted.max_weight_difference > 1e3 * (
+        misweighted.rounding_floor)
+    assert any("_summed_over_batch" in cause and "one number" in cause
+               for cause in misweighted.causes), misweighted.causes
+    assert "differs from the large batch" in str(misweighted)
+
+
+def test_exact_model_matches_and_misweighted_loss_is_found():
+    check_exact_and_misweighted_models()
+
+
+def test_dropout_is_explained_by_switching_it_off_in_the_copies():
+    x, y = regression_data(samples=96)
+    result = compare_with_large_batch(_model(dropout=0.3), x, y,
+                                      batch_size=8, n_gradients=4, steps=3)
+    assert result.difference_without_random_layers is not None
+    assert result.difference_without_random_layers <= (
+        10 * result.rounding_floor)
+    assert result.matches
+    assert any("'dropout'" in cause and "switched off" in cause
+               for cause in result.causes), result.causes
+
+
+def test_narrow_accumulators_of_an_accumulating_model_are_named():
+    x, y = regression_data(samples=64)
+    model = _model(AccumulatingModel, n_gradients=2,
+                   accumulator_dtype="bfloat16")
+    result = compare_with_large_batch(model, x, y, batch_size=8,
+                                      n_gradients=4, steps=2)
+    assert any("accumulator_dtype='bfloat16'" in cause
+               for cause in result.causes), result.causes
+
+
+def test_the_model_and_its_optimizer_are_left_as_they_were():
+    x, y = regression_data(samples=64)
+    model = _model(AccumulatingModel, n_gradients=2)
+    model.fit(x[:24], y[:24], batch_size=8, epochs=1, shuffle=False,
+              verbose=0)
+    weights = model.get_weights()
+    optimizer_values = [np.array(v) for v in model.optimizer.variables]
+    compare_with_large_batch(model, x, y, batch_size=8, n_gradients=4,
+                             steps=2)
+    assert all(np.array_equal(a, b)
+               for a, b in zip(weights, model.get_weights()))
+    assert all(np.array_equal(a, np.array(b))
+               for a, b in zip(optimizer_values, model.optimizer.variables))
+    assert model.n_gradients == 2 and isinstance(model, AccumulatingModel)
+
+
+@pytest.mark.parametrize("arguments, named", [
+    (dict(batch_size=0), "batch_size"),
+    (dict(steps=1.5), "steps"),
+    (dict(n_gradients=0), "n_gradients"),
+])
+def test_bad_arguments_are_refused_by_name(arguments, named):
+    x, y = regression_data(samples=32)
+    arguments = {"batch_size": 8, "n_gradients": 2, "steps": 1, **arguments}
+    with pytest.raises(ValueError, match=named):
+        compare_with_large_batch(_model(), x, y, **arguments)
+
+
+def test_an_uncompiled_model_is_refused():
+    x, y = regression_data(samples=32)
+    inputs = keras.Input((6,))
+    model = keras.Model(inputs, keras.layers.Dense(3)(inputs))
+    with pytest.raises(ValueError, match="model.compile"):
+        compare_with_large_batch(model, x, y, batch_size=8, n_gradients=2)
