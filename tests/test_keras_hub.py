@@ -156,6 +156,35 @@ def test_task_under_mixed_float16(task):
     assert max_weight_difference(plain, model) <= 2 * rounding + 1e-6
 
 
+def test_lora_fine_tune_trains_only_its_weights_like_the_large_batch():
+    # keras-hub's LoRA leaves trainable only the LoRA factors and the
+    # biases of the layers it adapts: the window holds accumulators for
+    # those alone, moves them as the large batch, and leaves the rest.
+    plain = _causal_lm(keras_hub.models.GPT2CausalLM)
+    plain.backbone.enable_lora(rank=2)
+    model = accumulating(_causal_lm(keras_hub.models.GPT2CausalLM),
+                         n_gradients=4)
+    model.backbone.enable_lora(rank=2)
+    model.set_weights(plain.get_weights())
+    frozen = [np.array(v) for v in model.non_trainable_variables]
+    for each in (plain, model):
+        _compile(each)
+    _fit(plain, _causal_lm_data(), 32)
+    _fit(model, _causal_lm_data(), 8)
+    trainable = model.trainable_variables
+    assert [v.path for v in trainable] == [
+        v.path for v in plain.trainable_variables]
+    assert any("lora" in v.path for v in trainable)
+    assert model.accumulator_bytes == sum(
+        4 * int(np.prod(v.shape)) for v in trainable)
+    assert model.accumulator_bytes < sum(
+        4 * int(np.prod(v.shape)) for v in model.weights) / 4
+    assert iterations(model) == iterations(plain) == 1
+    assert max_weight_difference(plain, model) <= 1e-5
+    assert all(np.array_equal(a, np.array(b))
+               for a, b in zip(frozen, model.non_trainable_variables))
+
+
 class _no_scope:
     def __enter__(self):
         return None
