@@ -6,6 +6,7 @@ Each task is used both ways a user would: as a mixin base
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -185,6 +186,29 @@ def test_lora_fine_tune_trains_only_its_weights_like_the_large_batch():
                for a, b in zip(frozen, model.non_trainable_variables))
 
 
+def test_causal_lm_under_mixed_bfloat16_sums_in_float32():
+    # bfloat16 compute, float32 weights and accumulators: the window lands
+    # as near the large batch under the same policy as bfloat16 rounding
+    # puts that large batch from float32's.
+    float32_plain = _large_batch("causal_lm")
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        plain = _large_batch("causal_lm")
+        model = accumulating(_causal_lm(keras_hub.models.GPT2CausalLM),
+                             n_gradients=4)
+        _compile(model)
+        _fit(model, _causal_lm_data(), 8)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert model.compute_dtype == "bfloat16"
+    assert model.accumulator_bytes == sum(
+        4 * int(np.prod(v.shape)) for v in model.trainable_variables)
+    assert iterations(model) == iterations(plain) == 1
+    rounding = max_weight_difference(plain, float32_plain)
+    assert rounding > 1e-6  # bfloat16 did round
+    assert max_weight_difference(plain, model) <= 2 * rounding
+
+
 class _no_scope:
     def __enter__(self):
         return None
@@ -290,3 +314,27 @@ def test_the_gpu_suites_child_compiles_the_jax_step():
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["compiled"] is True
     assert figures["accumulator_mib"] > 0
+
+
+def test_the_fine_tuning_example_is_token_exact_where_keras_option_is_not():
+    # examples/finetune_causal_lm.py, as a user runs it, on this backend:
+    # accumulating() lands on the large batch's weights with either loss;
+    # Keras's gradient_accumulation_steps does only where every micro-batch
+    # has the same divisor (the default loss, full micro-batches).
+    script = pathlib.Path(__file__).resolve().parent.parent / "examples" / (
+        "finetune_causal_lm.py")
+    result = subprocess.run([sys.executable, str(script)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = [[float(v) for v in re.findall(
+        r"^  (?:accumulating|Keras's|  the same|float32).*?(\S+)$", block,
+        re.M)] for block in result.stdout.split("max |weight difference|")[1:]]
+    assert len(figures) == 2 and all(len(f) == 4 for f in figures), (
+        result.stdout)
+    for accumulated, keras_option, keras_full_window, floor in figures:
+        assert accumulated <= max(10 * floor, 1e-7)
+        assert keras_option > 1e3 * max(accumulated, floor)
+    (_, _, default_full_window, default_floor), (_, _, token_full_window,
+                                                 token_floor) = figures
+    assert default_full_window <= max(10 * default_floor, 1e-7)
+    assert token_full_window > 1e3 * token_floor
