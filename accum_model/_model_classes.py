@@ -19,6 +19,7 @@ qualified name, so names, name scopes and serialization are unchanged, and
 they are created once per class. No existing class is modified.
 """
 
+import contextlib
 import inspect
 
 from accum_model._chooser import adapter
@@ -183,6 +184,27 @@ class _FunctionalRouter(keras.Model):
             if not isinstance(self, adapter.Functional):
                 self.__class__ = requested_class(type(self))
             keras.Model.__init__(self, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def ancestors_kept(cls):
+    """Puts back the bases of `cls`'s ancestors that its constructor changed.
+
+    keras-hub's `PipelineModel.__init__` resets its own bases to
+    `keras.Model`, undoing the `Functional` that Keras injected when a plain
+    task was built; a plain task's `Model.__init__` injects it again, but
+    an accumulating one's does not (see above), which left the plain tasks
+    built before it without `Functional.call`. Checked on keras-hub 0.32.0.
+    """
+    saved = [(ancestor, ancestor.__bases__)
+             for ancestor in requested_class(cls).__mro__[1:]
+             if ancestor is not object]
+    try:
+        yield
+    finally:
+        for ancestor, bases in saved:
+            if ancestor.__bases__ != bases:
+                ancestor.__bases__ = bases
 
 
 def takes_keyword(function, name):

@@ -125,7 +125,8 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
             _model_classes.is_functional_call(args, kwargs),
             own_arguments=Settings.DEFAULTS,
         )
-        super().__init__(*args, **kwargs)
+        with _model_classes.ancestors_kept(type(self)):
+            super().__init__(*args, **kwargs)
         self._accumulate_with(settings)
 
     # `inspect.signature` (help(), editors) reads a class's `__new__` before
@@ -234,6 +235,15 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
     def accumulator_bytes(self):
         """Int. Bytes held by the gradient accumulators of one replica."""
         return self._accumulation.accumulator_bytes()
+
+    def has_task_weights(self):
+        """Whether a keras-hub preset saves weights of this task beyond its
+        backbone's: also where a window is open, so that `save_to_preset`
+        carries the window and `from_preset` restores it (keras-hub 0.32.0
+        saves and loads a task's own weights only where this is true)."""
+        own = getattr(super(), "has_task_weights", None)
+        return bool(own is not None and own()) or (
+            self._accumulation.open_micro_steps() > 0)
 
     # Hooks a subclass may override -----------------------------------------
 

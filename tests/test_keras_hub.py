@@ -209,6 +209,16 @@ def test_causal_lm_under_mixed_bfloat16_sums_in_float32():
     assert max_weight_difference(plain, model) <= 2 * rounding
 
 
+def test_a_plain_task_built_before_an_accumulating_one_still_trains():
+    # keras-hub's PipelineModel resets its bases as each task is built,
+    # removing the Functional that Keras gave the plain task's classes.
+    plain = _causal_lm(keras_hub.models.GPT2CausalLM)
+    _causal_lm(AccumulatingGPT2, n_gradients=2)
+    _compile(plain)
+    _fit(plain, _causal_lm_data(samples=8), 8)
+    assert iterations(plain) == 1
+
+
 class _no_scope:
     def __enter__(self):
         return None

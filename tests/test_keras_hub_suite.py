@@ -51,23 +51,27 @@ _WORDPIECE = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "dog",
               "cat", "sees", "a", "##s"]
 
 
+def _gpt2_arguments(dropout=0.1):
+    vocabulary = {token: i for i, token in
+                  enumerate(dict.fromkeys(_BPE_TOKENS))}
+    tokenizer = keras_hub.tokenizers.GPT2Tokenizer(
+        vocabulary=vocabulary, merges=_BPE_MERGES
+    )
+    preprocessor = keras_hub.models.GPT2CausalLMPreprocessor(
+        tokenizer, sequence_length=8
+    )
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=tokenizer.vocabulary_size(), num_layers=2,
+        num_heads=2, hidden_dim=4, intermediate_dim=8,
+        max_sequence_length=8, dropout=dropout,
+    )
+    return {"preprocessor": preprocessor, "backbone": backbone}
+
+
 class AccumulatingTasksPassKerasHubChecks(test_case.TestCase):
 
     def gpt2_arguments(self):
-        vocabulary = {token: i for i, token in
-                      enumerate(dict.fromkeys(_BPE_TOKENS))}
-        tokenizer = keras_hub.tokenizers.GPT2Tokenizer(
-            vocabulary=vocabulary, merges=_BPE_MERGES
-        )
-        preprocessor = keras_hub.models.GPT2CausalLMPreprocessor(
-            tokenizer, sequence_length=8
-        )
-        backbone = keras_hub.models.GPT2Backbone(
-            vocabulary_size=tokenizer.vocabulary_size(), num_layers=2,
-            num_heads=2, hidden_dim=4, intermediate_dim=8,
-            max_sequence_length=8,
-        )
-        return {"preprocessor": preprocessor, "backbone": backbone}
+        return _gpt2_arguments()
 
     def bert_arguments(self):
         tokenizer = keras_hub.tokenizers.BertTokenizer(vocabulary=_WORDPIECE)
@@ -114,3 +118,55 @@ class AccumulatingTasksPassKerasHubChecks(test_case.TestCase):
             cls=AccumulatingBertTextClassifier, init_kwargs=arguments,
             input_data=features,
         )
+
+
+def _compiled(model):
+    model.compile(optimizer=keras.optimizers.SGD(0.5), weighted_metrics=[])
+    return model
+
+
+class _SavePresetAfter(keras.callbacks.Callback):
+    def __init__(self, batch, path):
+        super().__init__()
+        self.batch, self.path = batch, path
+        self.open_micro_steps = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            self.model.save_to_preset(self.path)
+            self.open_micro_steps = (
+                self.model._accumulation.open_micro_steps())
+
+
+def test_raw_strings_train_through_a_preset_saved_with_the_window_open(
+        tmp_path):
+    # A fine-tuner's day: fit() on raw strings through the task's
+    # preprocessor, a preset saved between two updates, loaded and trained
+    # on: the large batch's weights, and generate() works.
+    sentences = _SENTENCES * 2
+    keras.utils.set_random_seed(2)
+    plain = _compiled(keras_hub.models.GPT2CausalLM(
+        **_gpt2_arguments(dropout=0.0)))
+    # Windows carried across epochs: the epoch of 3 micro-batches leaves
+    # its window open.
+    model = _compiled(AccumulatingGPT2CausalLM(
+        **_gpt2_arguments(dropout=0.0), n_gradients=4,
+        flush_each_epoch=False))
+    model.set_weights(plain.get_weights())
+    plain.fit(sentences, batch_size=8, epochs=1, shuffle=False, verbose=0)
+
+    preset = str(tmp_path / "preset")
+    saving = _SavePresetAfter(2, preset)
+    model.fit(sentences[:6], batch_size=2, epochs=1, shuffle=False,
+              verbose=0, callbacks=[saving])
+    assert saving.open_micro_steps == 3
+    loaded = _compiled(AccumulatingGPT2CausalLM.from_preset(preset))
+    assert (loaded.n_gradients, loaded.flush_each_epoch) == (4, False)
+    assert loaded._accumulation.open_micro_steps() == 3
+    loaded.fit(sentences[6:], batch_size=2, epochs=1, shuffle=False,
+               verbose=0)
+    assert int(loaded.optimizer.iterations) == 1
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(
+        plain.get_weights(), loaded.get_weights())) <= 1e-6
+    generated = loaded.generate(["the dog"], max_length=8)
+    assert len(generated) == 1 and str(generated[0]).startswith("the dog")
