@@ -116,3 +116,11 @@ def test_each_readme_block_runs_alone_and_prints_what_it_shows(index,
             assert float(out.rpartition(": ")[2]) <= 1e-6, (line, out)
         else:
             assert out == line
+
+
+def test_the_changelog_opens_with_the_packages_version():
+    import accum_model
+
+    versions = re.findall(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(),
+                          re.M)
+    assert versions and versions[0] == accum_model.__version__
