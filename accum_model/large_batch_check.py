@@ -66,19 +66,23 @@ class LargeBatchComparison:
     windows: int
 
     def __str__(self):
-        verdict = ("matches the large batch" if self.matches
-                   else "differs from the large batch")
-        if self.difference_without_random_layers is not None:
-            verdict += " with its random layers switched off"
-        lines = [
-            f"accumulation {verdict} over {self.windows} windows: max "
-            f"|weight difference| {self.max_weight_difference:.2e}, float32 "
-            f"rounding floor {self.rounding_floor:.2e}"]
-        if self.difference_without_random_layers is not None:
-            lines.append(
-                "with the copies' random layers switched off: "
-                f"{self.difference_without_random_layers:.2e} (the floor "
-                "too is measured with them off)")
+        verdict = "matches" if self.matches else "differs from"
+        without_random = self.difference_without_random_layers
+        if without_random is None:
+            lines = [
+                f"accumulation {verdict} the large batch over "
+                f"{self.windows} windows: max |weight difference| "
+                f"{self.max_weight_difference:.2e}, float32 rounding floor "
+                f"{self.rounding_floor:.2e}"]
+        else:
+            lines = [
+                f"accumulation {verdict} the large batch over "
+                f"{self.windows} windows with the copies' random layers "
+                f"switched off: max |weight difference| "
+                f"{without_random:.2e}, float32 rounding floor "
+                f"{self.rounding_floor:.2e}",
+                "with them on: max |weight difference| "
+                f"{self.max_weight_difference:.2e}"]
         lines += [f"- {cause}" for cause in self.causes]
         return "\n".join(lines)
 
