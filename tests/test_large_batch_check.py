@@ -120,3 +120,15 @@ def test_an_uncompiled_model_is_refused():
     model = keras.Model(inputs, keras.layers.Dense(3)(inputs))
     with pytest.raises(ValueError, match="model.compile"):
         compare_with_large_batch(model, x, y, batch_size=8, n_gradients=2)
+
+
+def test_a_model_under_two_replicas_is_checked_under_them(two_replicas):
+    # The copies are built where the model was: under its strategy on
+    # TensorFlow, under the distribution in force on JAX.
+    x, y = regression_data(samples=96)
+    with two_replicas.scope():
+        model = _model()
+        result = compare_with_large_batch(model, x, y, batch_size=8,
+                                          n_gradients=4, steps=3)
+    assert result.matches, str(result)
+    assert result.causes == ()
