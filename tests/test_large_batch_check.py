@@ -76,6 +76,40 @@ def test_dropout_is_explained_by_switching_it_off_in_the_copies():
                for cause in result.causes), result.causes
 
 
+class _Noise(keras.layers.Layer):
+    """Random in training, with no rate or stddev to set to 0."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(5)
+
+    def call(self, inputs, training=False):
+        if not training:
+            return inputs
+        return inputs + 0.3 * keras.random.normal(
+            keras.ops.shape(inputs), seed=self.seed_generator)
+
+
+def test_a_random_layer_that_cannot_be_switched_off_is_named():
+    # Its noise would make the reordered large batch's "floor" as large as
+    # the difference; the verdict is held to float32's epsilon instead.
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6,))
+    hidden = _Noise(name="noise")(
+        keras.layers.Dense(16, activation="tanh")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    x, y = regression_data(samples=96)
+    result = compare_with_large_batch(model, x, y, batch_size=8,
+                                      n_gradients=4, steps=3)
+    assert result.difference_without_random_layers is not None
+    assert result.rounding_floor < 1e-6
+    assert result.matches == (result.difference_without_random_layers
+                              <= 10 * result.rounding_floor)
+    assert any("'noise'" in cause and "no rate or stddev" in cause
+               for cause in result.causes), result.causes
+
+
 def test_narrow_accumulators_of_an_accumulating_model_are_named():
     x, y = regression_data(samples=64)
     model = _model(AccumulatingModel, n_gradients=2,
