@@ -162,9 +162,9 @@ def plain_keras_class():
 # The compiled JAX step ------------------------------------------------------
 
 
-def jax_step_memory(model, x, y):
-    """`memory_analysis()` of `model`'s training step on a batch `(x, y)`,
-    jitted as Keras's `fit()` jits it (the state donated), after one
+def jax_compiled_step(model, x, y):
+    """`model`'s training step on a batch `(x, y)`, jitted as Keras's
+    `fit()` jits it (the state donated) and compiled, after one
     `train_on_batch` that builds the model (and an accumulating model's
     window)."""
     import jax
@@ -176,4 +176,10 @@ def jax_step_memory(model, x, y):
         optimizer_variables=True, metrics_variables=True)
     step = jax.jit(functools.partial(type(model).train_step, model),
                    donate_argnums=0)
-    return step.lower(state, (x, y)).compile().memory_analysis()
+    return step.lower(state, (x, y)).compile()
+
+
+def jax_step_memory(model, x, y):
+    """`memory_analysis()` of `model`'s compiled training step (see
+    `jax_compiled_step`)."""
+    return jax_compiled_step(model, x, y).memory_analysis()

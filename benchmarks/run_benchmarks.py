@@ -352,6 +352,10 @@ def gpu_child(config):
             from accum_model import accumulating
 
             model = accumulating(model, n_gradients=n)
+            if spec.get("branched"):
+                # The window's end as a conditional, as on a CPU (a GPU
+                # selects it; see accum_model.keras3.jax_window).
+                model._accumulation.selects_outcomes = False
         model.compile(
             optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
             loss=keras.losses.SparseCategoricalCrossentropy(
@@ -411,15 +415,19 @@ def gpu_suite(args, device="GPU:0"):
     for model_name, precision in [(m, p) for m in args.gpu_models
                                   for p in args.gpu_precisions]:
         micro = micro_batches[model_name]
-        for label, batch, n_value, batch_steps in (
+        rows = [
             (f"keras, batch {micro}", micro, 1, steps),
             (f"keras, batch {micro * n}", micro * n, 1, steps // n),
             (f"accum_model, batch {micro} x n={n}", micro, n, steps),
-        ):
+        ]
+        if BACKEND == "jax":
+            rows.append((f"accum_model, batch {micro} x n={n}, window end "
+                         "branched", micro, n, steps))
+        for label, batch, n_value, batch_steps in rows:
             spec = {"device": device, "precision": precision,
                     "image_size": args.gpu_image_size, "batch": batch,
                     "n_gradients": n_value, "steps": batch_steps,
-                    "model": model_name}
+                    "model": model_name, "branched": "branched" in label}
             key = f"{model_name}, {precision} | {label}"
             output = subprocess.run(
                 [sys.executable, __file__, "--backend", BACKEND,

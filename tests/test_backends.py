@@ -22,6 +22,7 @@ from accum_model import AccumulatingModel
 from backends import BACKEND
 from helpers import harness
 from helpers import iterations
+from helpers import batch_norm_mlp
 from helpers import mlp
 from helpers import regression_data
 
@@ -250,3 +251,49 @@ def test_the_compiled_jax_step_holds_one_copy_of_the_weights_beyond_plain(
     finally:
         keras.mixed_precision.set_global_policy("float32")
     assert beyond <= 1.05 * weight_bytes, beyond / weight_bytes
+
+
+def _trained(selects_outcomes, policy, accumulator_dtype, x, y):
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        model = batch_norm_mlp(AccumulatingModel, n_gradients=4,
+                               measure_noise_scale=True,
+                               accumulator_dtype=accumulator_dtype)
+        model._accumulation.selects_outcomes = selects_outcomes
+        model.compile(optimizer=keras.optimizers.Adam(1e-2, clipnorm=1.0),
+                      loss="mse")
+        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                            verbose=0)
+        hlo = harness.jax_compiled_step(model, x[:8], y[:8]).as_text()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    return model, hlo, history.history["noise_scale"]
+
+
+@jax_only
+@pytest.mark.filterwarnings("ignore:BatchNormalization layers")
+@pytest.mark.parametrize("policy, accumulator_dtype, overflows", [
+    ("float32", "float32", False), ("mixed_bfloat16", "float32", False),
+    ("float32", "float16", True), ("mixed_float16", "float32", True)])
+def test_a_window_end_selected_rather_than_branched_trains_alike(
+        policy, accumulator_dtype, overflows):
+    # On a GPU the step computes the window's end and keeps it only where
+    # the window ends (a conditional there stops the host); elsewhere it
+    # branches. Pooled statistics, the noise scale, clipping and a window
+    # that overflows come out the same either way. Under loss scaling
+    # Keras's optimizer branches itself, and the window's end with it.
+    x, y = regression_data(samples=64)
+    if overflows:
+        y[41] = 1e6
+    branched, branched_hlo, branched_noise = _trained(
+        False, policy, accumulator_dtype, x, y)
+    selected, selected_hlo, selected_noise = _trained(
+        True, policy, accumulator_dtype, x, y)
+    assert " conditional(" in branched_hlo
+    assert (" conditional(" in selected_hlo) == (policy == "mixed_float16")
+    assert iterations(selected) == iterations(branched) > 0
+    assert selected.skipped_windows == branched.skipped_windows == (
+        2 if overflows else 0)
+    for a, b in zip(selected.get_weights(), branched.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(selected_noise, branched_noise, rtol=1e-5)

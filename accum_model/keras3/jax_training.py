@@ -9,8 +9,10 @@ state behind the optimizer's variables: `JaxModelDifferences._get_jax_state`
 appends it and `jax_state_sync` takes it back, so it is never a variable of
 the model or of the optimizer (`get_weights()` and optimizer files stay what
 plain Keras writes). Each micro step adds its gradient, times what Keras
-divided its loss by, to the window; one `lax.cond` applies the window with
-the optimizer's own `stateless_apply` when it is full or the epoch ends.
+divided its loss by, to the window; the window is applied with the
+optimizer's own `stateless_apply` when it is full or the epoch ends, by one
+`lax.cond` (on a GPU, computed in every micro step and kept only then; see
+`jax_window`).
 The numbers are `accum_model.core.arithmetic`'s and `divisor`'s.
 
 Keras's JAX loop learns that data ran out before it runs a step, so no step

@@ -26,6 +26,13 @@ class JaxAccumulation(stateless_window.StatelessAccumulation):
         # The window's layout under `keras.distribution` (set as the step's
         # state is gathered), else None.
         self.window_sharding = None
+        # XLA runs a conditional on a GPU by copying its predicate to the
+        # host and blocking the host until the GPU has done all before it
+        # (`ConditionalThunk`, checked with jax 0.11.2): a window end
+        # chosen that way in every micro step would stop the host queuing
+        # the next steps ahead. There the step computes the window's end
+        # and keeps it only where the window ends; a CPU or TPU branches.
+        self.selects_outcomes = jax.default_backend() == "gpu"
 
     def _check_settings(self, settings):
         if (settings.accumulator_dtype == "float64"

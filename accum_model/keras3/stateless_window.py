@@ -48,6 +48,9 @@ class StatelessAccumulation(WindowLifecycle):
 
     # The array operations of the window end's mean gradient.
     ops = KERAS_OPS
+    # Whether a traced step runs both outcomes of the window's end and
+    # selects one (see `_chosen`) rather than branching.
+    selects_outcomes = False
     # The pooled BatchNormalization statistics of a model.
     Statistics = PooledStatistics
 
@@ -367,8 +370,9 @@ def _traced_end(accumulation, ends, operands):
         return (list(trainable), list(optimizer_values),
                 window._replace(gradient_sums=[]))
 
-    trainable, optimizer_values, emptied = ops.cond(
-        ends, lambda: without_sums(end_window(accumulation, operands)),
+    trainable, optimizer_values, emptied = _chosen(
+        accumulation, ends,
+        lambda: without_sums(end_window(accumulation, operands)),
         lambda: without_sums(operands))
     return trainable, optimizer_values, emptied._replace(
         gradient_sums=window.gradient_sums)
@@ -424,8 +428,23 @@ def end_window(accumulation, operands):
 
     if not accumulation.settings.may_overflow:
         return update(operands)
-    return ops.cond(core_window.is_finite(state, KERAS_OPS),
-                    lambda: update(operands), lambda: skip(operands))
+    return _chosen(accumulation, core_window.is_finite(state, KERAS_OPS),
+                   lambda: update(operands), lambda: skip(operands))
+
+
+def _chosen(accumulation, predicate, if_true, if_false):
+    """`ops.cond(predicate, if_true, if_false)`; or, where the
+    accumulation selects outcomes, both run and each value is taken from
+    the one `predicate` picks. Keras's `LossScaleOptimizer` branches in its
+    own apply: under it the window's end branches too, which runs that
+    conditional once per window rather than in every micro step."""
+    if (not accumulation.selects_outcomes
+            or accumulation.loss_scaling.active):
+        return ops.cond(predicate, if_true, if_false)
+    return keras.tree.map_structure(
+        lambda taken, other: (
+            taken if taken is None else ops.where(predicate, taken, other)),
+        if_true(), if_false())
 
 
 class StatelessLossScaling(Keras3LossScaling):
