@@ -416,18 +416,18 @@ def gpu_suite(args, device="GPU:0"):
                                   for p in args.gpu_precisions]:
         micro = micro_batches[model_name]
         rows = [
-            (f"keras, batch {micro}", micro, 1, steps),
-            (f"keras, batch {micro * n}", micro * n, 1, steps // n),
-            (f"accum_model, batch {micro} x n={n}", micro, n, steps),
+            (f"keras, batch {micro}", micro, 1, steps, False),
+            (f"keras, batch {micro * n}", micro * n, 1, steps // n, False),
+            (f"accum_model, batch {micro} x n={n}", micro, n, steps, False),
         ]
         if BACKEND == "jax":
             rows.append((f"accum_model, batch {micro} x n={n}, window end "
-                         "branched", micro, n, steps))
-        for label, batch, n_value, batch_steps in rows:
+                         "branched", micro, n, steps, True))
+        for label, batch, n_value, batch_steps, branched in rows:
             spec = {"device": device, "precision": precision,
                     "image_size": args.gpu_image_size, "batch": batch,
                     "n_gradients": n_value, "steps": batch_steps,
-                    "model": model_name, "branched": "branched" in label}
+                    "model": model_name, "branched": branched}
             key = f"{model_name}, {precision} | {label}"
             output = subprocess.run(
                 [sys.executable, __file__, "--backend", BACKEND,

@@ -20,9 +20,9 @@ import pytest
 
 from accum_model import AccumulatingModel
 from backends import BACKEND
+from helpers import batch_norm_mlp
 from helpers import harness
 from helpers import iterations
-from helpers import batch_norm_mlp
 from helpers import mlp
 from helpers import regression_data
 
@@ -254,19 +254,17 @@ def test_the_compiled_jax_step_holds_one_copy_of_the_weights_beyond_plain(
 
 
 def _trained(selects_outcomes, policy, accumulator_dtype, x, y):
+    # conftest's float32_policy puts the policy back after the test.
     keras.mixed_precision.set_global_policy(policy)
-    try:
-        model = batch_norm_mlp(AccumulatingModel, n_gradients=4,
-                               measure_noise_scale=True,
-                               accumulator_dtype=accumulator_dtype)
-        model._accumulation.selects_outcomes = selects_outcomes
-        model.compile(optimizer=keras.optimizers.Adam(1e-2, clipnorm=1.0),
-                      loss="mse")
-        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
-                            verbose=0)
-        hlo = harness.jax_compiled_step(model, x[:8], y[:8]).as_text()
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
+    model = batch_norm_mlp(AccumulatingModel, n_gradients=4,
+                           measure_noise_scale=True,
+                           accumulator_dtype=accumulator_dtype)
+    model._accumulation.selects_outcomes = selects_outcomes
+    model.compile(optimizer=keras.optimizers.Adam(1e-2, clipnorm=1.0),
+                  loss="mse")
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                        verbose=0)
+    hlo = harness.jax_compiled_step(model, x[:8], y[:8]).as_text()
     return model, hlo, history.history["noise_scale"]
 
 
