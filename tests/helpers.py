@@ -188,17 +188,22 @@ def compiled_jax_step(model, distribution, x, y, batch_size=8):
 
 
 def jax_all_reduces(hlo_text):
-    """Counts all-reduce instructions in the entry computation (run every
-    step) and in the computations it calls (the window end's branch)."""
-    counts = {"every_step": 0, "conditional": 0}
+    """The elements all-reduced in the entry computation (every step) and
+    in the computations it calls (the window end's branch), as
+    `{"every_step": n, "conditional": n}`."""
+    elements = {"every_step": 0, "conditional": 0}
     place = None
     for line in hlo_text.splitlines():
         if line and not line[0].isspace() and line.rstrip().endswith("{"):
             place = ("every_step" if line.startswith("ENTRY")
                      else "conditional")
-        elif re.search(r"\sall-reduce(-start)?\(", line):
-            counts[place] += 1
-    return counts
+            continue
+        found = re.search(r"=\s*(.*?)\sall-reduce(-start)?\(", line)
+        if found:
+            elements[place] += sum(
+                int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+                for dims in re.findall(r"\w+\[([\d,]*)\]", found.group(1)))
+    return elements
 
 
 def numpy_of(value):

@@ -1,9 +1,11 @@
 """What crosses devices, counted in the training step as `fit()` runs it.
 
 TensorFlow (MirroredStrategy): nothing per micro step, one reduction per
-window. JAX (`keras.distribution.DataParallel`): XLA reduces the gradient
-where it computes it, on every micro step as for plain Keras's step, and
-the window end adds nothing.
+window. JAX (`keras.distribution.DataParallel`): the micro step reduces the
+loss only and the window end the gradient, once; where the samples meet in
+the micro step (pooled moments, the noise scale, float16 sums) the micro
+step reduces the gradient as plain Keras's step does, and the window end
+adds nothing.
 """
 
 import keras
@@ -164,11 +166,16 @@ def test_windows_carried_over_epochs_count_micro_steps_with_one_scalar(
     assert counts == {"every_step": 1, "conditional": 1}
 
 
+# Where each device's share of a micro-batch's gradient can be summed apart
+# from the others'; in the rest the samples meet in the micro step.
+SUMMED_APART = ("plain", "clipnorm", "global_clipnorm", "clipvalue")
+
+
 @jax_only("keras.distribution.DataParallel")
 @pytest.mark.filterwarnings("ignore:BatchNormalization layers")
 @pytest.mark.parametrize("name", sorted(CONFIGURATIONS))
-def test_data_parallel_reduces_as_plain_keras_each_micro_step(two_replicas,
-                                                              name):
+def test_data_parallel_reduces_the_gradient_once_per_window(two_replicas,
+                                                            name):
     if name == "float64_accumulators":
         pytest.skip("float64 on JAX needs jax_enable_x64, refused otherwise "
                     "(tests/test_backends.py)")
@@ -181,11 +188,58 @@ def test_data_parallel_reduces_as_plain_keras_each_micro_step(two_replicas,
                       loss="mse")
     model = _compiled(two_replicas, build, optimizer_keywords,
                       model_keywords)
-    plain_counts = jax_all_reduces(compiled_jax_step(plain, two_replicas,
-                                                     x, y))
-    counts = jax_all_reduces(compiled_jax_step(model, two_replicas, x, y))
-    # XLA combines the gradients (and the loss) into one all-reduce per
-    # step; the window end, in its own branch, reduces nothing more.
-    assert plain_counts["every_step"] >= 1
-    assert counts == {"every_step": plain_counts["every_step"],
-                      "conditional": 0}
+    plain_elements = jax_all_reduces(compiled_jax_step(plain, two_replicas,
+                                                       x, y))
+    elements = jax_all_reduces(compiled_jax_step(model, two_replicas, x, y))
+    weights = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    # Plain Keras reduces the gradient (and the loss) on every step.
+    assert plain_elements["every_step"] > weights
+    assert plain_elements["conditional"] == 0
+    if name in SUMMED_APART:
+        # The micro step reduces the loss only; the window end the gradient.
+        assert elements == {
+            "every_step": plain_elements["every_step"] - weights,
+            "conditional": weights}
+    else:
+        assert elements == {"every_step": plain_elements["every_step"],
+                            "conditional": 0}
+
+
+def _dropout_mlp(model_class, **kwargs):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dropout(0.25)(
+        keras.layers.Dense(8, activation="tanh")(inputs))
+    return model_class(inputs=inputs, outputs=keras.layers.Dense(3)(hidden),
+                       **kwargs)
+
+
+def _activity_regularized_mlp(model_class, **kwargs):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh",
+                                activity_regularizer="l2")(inputs)
+    return model_class(inputs=inputs, outputs=keras.layers.Dense(3)(hidden),
+                       **kwargs)
+
+
+@jax_only("keras.distribution.DataParallel")
+@pytest.mark.parametrize("build", [_dropout_mlp, _activity_regularized_mlp],
+                         ids=["dropout", "activity_regularizer"])
+def test_data_parallel_passes_where_samples_meet_reduce_each_micro_step(
+        two_replicas, build):
+    # A random layer's seed, or a loss of the activations, is known only
+    # as the step is traced: the window's sums are already one block per
+    # device, so the micro step reduces as plain Keras's and the window end
+    # sums the blocks.
+    x, y = regression_data(samples=64)
+    with two_replicas.scope():
+        plain = build(keras.Model)
+        plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model = _compiled(two_replicas, build, {}, {})
+    plain_elements = jax_all_reduces(compiled_jax_step(plain, two_replicas,
+                                                       x, y))
+    elements = jax_all_reduces(compiled_jax_step(model, two_replicas, x, y))
+    weights = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    assert elements == {"every_step": plain_elements["every_step"],
+                        "conditional": weights}

@@ -41,6 +41,31 @@ def test_two_replicas_match_one_device_large_batch(name, two_replicas):
     assert max_weight_difference(plain, accumulating) <= TOLERANCE
 
 
+def _regularized_mlp(where):
+    def build(model_class, **kwargs):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((6,))
+        hidden = keras.layers.Dense(8, activation="tanh", **{
+            f"{where}_regularizer": keras.regularizers.L2(0.05)})(inputs)
+        return model_class(inputs=inputs,
+                           outputs=keras.layers.Dense(3)(hidden), **kwargs)
+    return build
+
+
+@pytest.mark.parametrize("where", ["kernel", "activity"])
+def test_regularized_layers_under_two_replicas_match_one_device(
+        where, two_replicas):
+    # On JAX each device's copy of a regularized weight has the same
+    # penalty, counted once; an activity penalty needs the whole batch's
+    # activations, and is summed as plain Keras's step sums it.
+    x, y = regression_data(samples=64)
+    plain, accumulating = fit_both(
+        _regularized_mlp(where), OPTIMIZERS["adam"], x, y, micro_batch=8,
+        n_gradients=4, epochs=2, strategy=two_replicas)
+    assert iterations(accumulating) == iterations(plain) == 4
+    assert max_weight_difference(plain, accumulating) <= TOLERANCE
+
+
 @tensorflow_only("a MirroredStrategy splits a batch unevenly (JAX's "
                  "DataParallel refuses: tested below)")
 def test_uneven_split_across_replicas(two_replicas):

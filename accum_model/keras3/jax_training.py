@@ -21,9 +21,12 @@ applied eagerly by the window callback, after Keras has written the state
 back into the variables.
 
 Under `keras.distribution` (`DataParallel`, `ModelParallel`) the step is
-one program over the sharded micro-batch, as Keras's own: the window's
-gradient sums are laid out as their variables and XLA reduces the gradient
-across devices where it computes it, on every micro step.
+one program over the sharded micro-batch, as Keras's own. Under
+`ModelParallel` the window's gradient sums are laid out as their variables
+and XLA reduces the gradient across devices where it computes it, on every
+micro step. Under `DataParallel` each device adds its own share of the
+gradient to its own block of the sums (`per_device_gradients`), and the
+window's end reduces them once.
 
 BatchNormalization layers' moving statistics are pooled over the window
 (`stateless_normalization`). The open window is saved in Keras files, laid out
@@ -75,12 +78,16 @@ def accumulating_train_step(model, state, data):
         return keras.StatelessScope(state_mapping=list(
             zip(model.optimizer.variables, optimizer_values)))
 
-    def scaled_loss_of(trainable):
+    def forward(trainable, non_trainable, x):
         kwargs = {"training": True} if model._call_has_training_arg else {}
         with accumulation.statistics.recording() as records:
             y_pred, new_non_trainable, layer_losses = model.stateless_call(
                 trainable, non_trainable, x, return_losses=True, **kwargs)
         moments = accumulation.statistics.moments_of(records)
+        return y_pred, new_non_trainable, layer_losses, moments
+
+    def scaled_loss_of(trainable, outputs):
+        y_pred, new_non_trainable, layer_losses, moments = outputs
         if layer_losses:
             model._losses_override.clear()
             model._losses_override = layer_losses
@@ -109,8 +116,17 @@ def accumulating_train_step(model, state, data):
         return scaled_loss, (
             loss, y_pred, new_non_trainable, new_metrics, weight, moments)
 
-    (_, aux), gradients = jax.value_and_grad(scaled_loss_of, has_aux=True)(
-        trainable)
+    gradients = per_device_gradients(model, trainable, non_trainable, x,
+                                     forward, scaled_loss_of)
+    if gradients is None:
+        (_, aux), gradients = jax.value_and_grad(
+            lambda trainable: scaled_loss_of(
+                trainable, forward(trainable, non_trainable, x)),
+            has_aux=True)(trainable)
+        gradients = [accumulation.spread(g, kept) for g, kept in zip(
+            gradients, accumulation.overwrite)]
+    else:
+        gradients, aux = gradients
     loss, y_pred, new_non_trainable, metrics_values, weight, moments = aux
     # The window moves the pooled layers' statistics when it ends.
     non_trainable = accumulation.statistics.keep_moving(new_non_trainable,
@@ -149,6 +165,87 @@ def accumulating_train_step(model, state, data):
             window, accumulation.window_sharding)
     return logs, (trainable, non_trainable,
                   optimizer_values + [window], metrics_values)
+
+
+def per_device_gradients(model, trainable, non_trainable, x, forward,
+                         loss_of):
+    """Each device's share of the micro-batch's gradient, unreduced, under
+    `DataParallel` (one block per device, see `jax_window.DeviceBlocks`),
+    with `loss_of`'s auxiliary values; None where the step reduces the
+    gradient as Keras's own does.
+
+    Every device runs the forward pass on its own shard with its own copy
+    of the weights (`shard_map`); the loss, its divisor and the metrics are
+    computed over the whole micro-batch's predictions as Keras computes
+    them; and its gradient with respect to the predictions goes back
+    through each device's own pass to that device's copy. The blocks sum
+    to the whole batch's gradient, so the only gradient-sized reduction is
+    the window end's. That takes a forward pass whose samples do not meet
+    (settled as the window is built, `JaxAccumulation._samples_apart`, and
+    here): where a layer writes a variable (a random layer's seed), a layer
+    adds a loss of its activations, or the batch does not split evenly over
+    the devices, the step reduces the gradient as Keras's does and adds it
+    to the first device's block.
+    """
+    blocks = model._accumulation.blocks
+    if blocks is None or any(
+            jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] % blocks.count
+            for leaf in jax.tree.leaves(x)):
+        return None
+    spec = jax.sharding.PartitionSpec(blocks.axis)
+    unvarying = jax.sharding.PartitionSpec()
+    separate = {"writes": False, "activity_losses": False}
+
+    def own_forward(copies, non_trainable_values, x_shard):
+        own = [copy[0] for copy in copies]
+        y_pred, new_non_trainable, layer_losses, _ = forward(
+            own, non_trainable_values, x_shard)
+        separate["writes"] = any(
+            new is not old for new, old in zip(new_non_trainable,
+                                               non_trainable_values))
+        # Keras lists the losses of the weights' regularizers last; any
+        # before them were added in the pass (an activity regularizer).
+        separate["activity_losses"] = len(layer_losses) > sum(
+            getattr(v, "regularizer", None) is not None
+            for v in model.trainable_weights)
+        # The loss reads the masks the layers attached to the predictions.
+        masks = jax.tree.map(losses.get_keras_mask, y_pred)
+        return (y_pred, masks), [jnp.reshape(value, (1,))
+                                 for value in layer_losses]
+
+    def forward_on_copies(copies):
+        return jax.shard_map(
+            own_forward, mesh=blocks.mesh,
+            in_specs=(spec, unvarying, spec), out_specs=(spec, spec),
+            # A layer's scan (an LSTM's) starts from a state made in the
+            # pass, which JAX's check would count as the same on every
+            # device; the gradients taken are the copies' only.
+            check_vma=False)(
+            copies, list(non_trainable), x)
+
+    copies = [jax.lax.with_sharding_constraint(
+        jnp.broadcast_to(value[None], (blocks.count,) + value.shape),
+        blocks.sharding) for value in trainable]
+    ((y_pred, masks), layer_losses), pull_back = jax.vjp(
+        forward_on_copies, copies)
+    if separate["writes"] or separate["activity_losses"]:
+        return None
+
+    def loss_of_predictions(outputs):
+        y_pred, layer_losses = outputs
+        jax.tree.map(losses.set_keras_mask, y_pred, masks)
+        # Each device's copy holds the same weights, so a weight's loss is
+        # taken from the first.
+        return loss_of(trainable, (y_pred, list(non_trainable),
+                                   [value[0] for value in layer_losses],
+                                   None))
+
+    (_, aux), (prediction_cotangents, loss_cotangents) = jax.value_and_grad(
+        loss_of_predictions, has_aux=True)((y_pred, layer_losses))
+    # The masks are not differentiated.
+    (gradients,) = pull_back(((prediction_cotangents, jax.tree.map(
+        jnp.zeros_like, masks)), loss_cotangents))
+    return gradients, aux
 
 
 def _train_step_of(model, state, data):
@@ -195,7 +292,8 @@ class JaxModelDifferences:
                 and keras.distribution.distribution() is not None):
             # Read before Keras purges the variables' values.
             window_sharding = _window_sharding(window, (
-                v.value.sharding for v in self.trainable_variables))
+                v.value.sharding for v in self.trainable_variables),
+                self._accumulation.blocks)
         self._accumulation.window_sharding = window_sharding
         state = super()._get_jax_state(
             trainable_variables=trainable_variables,
@@ -227,7 +325,8 @@ class JaxModelDifferences:
             return shardings
         trainable, non_trainable, optimizer, metrics = shardings
         return (trainable, non_trainable,
-                list(optimizer) + [_window_sharding(window, trainable)], metrics)
+                list(optimizer) + [_window_sharding(
+                    window, trainable, self._accumulation.blocks)], metrics)
 
     def jax_state_sync(self):
         jax_state = getattr(self, "_jax_state", None)
@@ -303,6 +402,8 @@ def stateless_accumulate_gradients(model, optimizer_variables, gradients,
             f"({len(window.gradient_sums)}). Received: {len(gradients)}")
     accumulation.divide_by_weight = True
     weight = jnp.asarray(weight, jnp.float32)
+    gradients = [accumulation.spread(g, kept)
+                 for g, kept in zip(gradients, accumulation.overwrite)]
     add = stateless_window.add_micro_batch
     trainable, _, optimizer_values, window, *_ = add(
         accumulation, list(trainable_variables), optimizer_variables[:-1],

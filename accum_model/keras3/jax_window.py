@@ -5,12 +5,55 @@ The window itself is `stateless_window`'s, run inside Keras's jitted step
 jitted end of a window left open at an epoch's end, 64-bit accumulators
 only in JAX's 64-bit mode, and the update signal read from Keras's JAX
 state. Checked on keras 3.10.0 and 3.15.1 with jax 0.10.2.
+
+Under `keras.distribution.DataParallel` over several devices each gradient
+sum has one block per device along the batch axis (`DeviceBlocks`): a micro
+step adds each device's share of its gradient to that device's block, and
+the window end sums the blocks, the one reduction of a window's gradient.
 """
+
+import typing
 
 import jax
 import jax.numpy as jnp
+import keras
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 
+from accum_model.core import class_tree
+from accum_model.core.variables import is_overwritten_with_gradient
 from accum_model.keras3 import stateless_window
+from accum_model.keras3.normalization import pools_moving_statistics
+from accum_model.keras3.training import layers_of
+
+
+class DeviceBlocks(typing.NamedTuple):
+    """The devices a `DataParallel` batch is split over: each holds one
+    block of every gradient sum."""
+
+    mesh: jax.sharding.Mesh
+    axis: str
+    count: int
+
+    @property
+    def sharding(self):
+        """One block on each device of the batch axis."""
+        return NamedSharding(self.mesh, PartitionSpec(self.axis))
+
+
+def device_blocks():
+    """The `DeviceBlocks` of the current `keras.distribution`, or None
+    where the window keeps one sum per variable: on one device, or under
+    `ModelParallel`, whose variables are laid out by its own map."""
+    distribution = keras.distribution.distribution()
+    if not isinstance(distribution, keras.distribution.DataParallel):
+        return None
+    mesh = distribution.device_mesh
+    count = int(dict(zip(mesh.axis_names, mesh.shape)).get(
+        distribution.batch_dim_name, 1))
+    if count < 2:
+        return None
+    return DeviceBlocks(mesh.backend_mesh, distribution.batch_dim_name, count)
 
 
 class JaxAccumulation(stateless_window.StatelessAccumulation):
@@ -33,6 +76,8 @@ class JaxAccumulation(stateless_window.StatelessAccumulation):
         # the next steps ahead. There the step computes the window's end
         # and keeps it only where the window ends; a CPU or TPU branches.
         self.selects_outcomes = jax.default_backend() == "gpu"
+        # The window's `DeviceBlocks` (settled as it is built), or None.
+        self.blocks = None
 
     def _check_settings(self, settings):
         if (settings.accumulator_dtype == "float64"
@@ -46,16 +91,100 @@ class JaxAccumulation(stateless_window.StatelessAccumulation):
     def _eager_end(self, end):
         return jax.jit(end)
 
+    # Per-device blocks ------------------------------------------------------
 
-def window_sharding(window, trainable_shardings):
+    @property
+    def reduces_at_end(self):
+        return self.blocks is not None
+
+    def build_window(self, model):
+        blocks = device_blocks() if self._samples_apart(model) else None
+        if self.window is not None and blocks != self.blocks:
+            # Fit again under another distribution: the open window's sums
+            # move to the new layout.
+            state = self.with_held_sums(self.window.state)
+            self.blocks = blocks
+            self.window.state = state._replace(gradient_sums=[
+                self.spread(total, kept) for total, kept in zip(
+                    state.gradient_sums, self.overwrite)])
+        self.blocks = blocks
+        super().build_window(model)
+
+    def _samples_apart(self, model):
+        """Whether each device's share of a micro-batch's gradient can be
+        summed apart from the others' (see `jax_training.per_device_gradients`
+        for what is settled in the step): not where a layer pools the
+        batch's moments, the noise scale needs each micro-batch's whole
+        gradient, float16 sums could overflow apart where the whole would
+        not, a variable is overwritten rather than updated, or the model
+        computes its loss itself."""
+        return not (
+            any(pools_moving_statistics(layer) for layer in layers_of(model))
+            or self.settings.measure_noise_scale
+            or self.settings.may_overflow
+            or any(is_overwritten_with_gradient(v)
+                   for v in model.trainable_variables)
+            or class_tree.overriding_classes(type(model), "compute_loss"))
+
+    def _sum_shape(self, variable):
+        shape = tuple(variable.shape)
+        return shape if self.blocks is None else (self.blocks.count,) + shape
+
+    def _placed(self, total, like, kept):
+        if self.blocks is None:
+            return super()._placed(total, like, kept)
+        return self.spread(
+            jnp.asarray(total.reshape(like.shape[1:]), like.dtype), kept)
+
+    def spread(self, value, kept):
+        """`value`, a whole gradient (or sum) of one variable, as blocks
+        that sum to it; a variable Keras overwrites keeps it in every
+        block, whose largest is taken."""
+        if self.blocks is None:
+            return value
+        count = self.blocks.count
+        if kept:
+            blocks = jnp.broadcast_to(value[None], (count,) + value.shape)
+        else:
+            blocks = jnp.concatenate(
+                [value[None], jnp.zeros((count - 1,) + value.shape,
+                                        value.dtype)])
+        return jax.lax.with_sharding_constraint(blocks, self.blocks.sharding)
+
+    def with_held_sums(self, state, consume=False):
+        del consume
+        if self.blocks is None:
+            return state
+        return state._replace(gradient_sums=[
+            jnp.max(total, axis=0) if kept else jnp.sum(total, axis=0)
+            for total, kept in zip(state.gradient_sums, self.overwrite)])
+
+    def apply_open_window(self):
+        super().apply_open_window()
+        state = self.window.state if self.window is not None else None
+        if self.blocks is None or state is None:
+            return
+        # The window end summed the blocks: its emptied sums go back to
+        # one block per device.
+        self.window.state = state._replace(gradient_sums=[
+            total if tuple(total.shape) == self._sum_shape(variable)
+            else self.spread(total, kept)
+            for total, variable, kept in zip(
+                state.gradient_sums, self.window.trainable_variables,
+                self.overwrite)])
+
+
+def window_sharding(window, trainable_shardings, blocks=None):
     """The shardings of `window`'s state under `keras.distribution`: each
-    gradient sum is laid out as its variable, every counter replicated."""
+    gradient sum is laid out as its variable (or, with `blocks`, one block
+    per device), every counter replicated."""
     trainable_shardings = list(trainable_shardings)
     replicated = _replicated_like(
         trainable_shardings[0] if trainable_shardings else None)
     return jax.tree.map(lambda _: replicated, window.state)._replace(
         gradient_sums=[
-            sharding if total.ndim else replicated
+            blocks.sharding if blocks is not None
+            else sharding if total.ndim else replicated
             for sharding, total in zip(trainable_shardings,
                                        window.state.gradient_sums)])
 

@@ -27,6 +27,11 @@ def get_keras_mask(tensor):
     return masking.get_keras_mask(tensor)
 
 
+def set_keras_mask(tensor, mask):
+    """Attaches `mask` to `tensor` as a Keras layer does (None clears it)."""
+    masking.set_keras_mask(tensor, mask)
+
+
 def compute_loss(model, **arguments):
     """Calls `model.compute_loss` with `training=True` where it takes it.
 

@@ -53,6 +53,9 @@ class StatelessAccumulation(WindowLifecycle):
     selects_outcomes = False
     # The pooled BatchNormalization statistics of a model.
     Statistics = PooledStatistics
+    # Whether the store holds each device's own gradient sums, reduced
+    # across devices only as the window ends (`with_held_sums`).
+    reduces_at_end = False
 
     def __init__(self, settings):
         self._check_settings(settings)
@@ -105,6 +108,16 @@ class StatelessAccumulation(WindowLifecycle):
         del consume
         return state
 
+    def _sum_shape(self, variable):
+        """The shape of the store's gradient sum of `variable`."""
+        return tuple(variable.shape)
+
+    def _placed(self, total, like, kept):
+        """A saved window's gradient sum `total` (flat), as the store holds
+        sums like `like` (`kept`: of a variable Keras overwrites)."""
+        del kept
+        return ops.cast(total.reshape(like.shape), like.dtype)
+
     def zero_sums(self):
         """Zero gradient sums the store holds already for the emptied
         window, or None to make them."""
@@ -138,11 +151,14 @@ class StatelessAccumulation(WindowLifecycle):
             KERAS_OPS)
 
     def accumulator_bytes(self):
+        # Per device: a store that keeps one block per device holds one
+        # variable's size of each sum on each.
         if self.window is None:
             return 0
-        return sum(_elements(s) * np.dtype(
+        return sum(_elements(v) * np.dtype(
             keras.backend.standardize_dtype(s.dtype)).itemsize
-                   for s in self.window.state.gradient_sums)
+                   for v, s in zip(self.window.trainable_variables,
+                                   self.window.state.gradient_sums))
 
     # Set-up ----------------------------------------------------------------
 
@@ -191,7 +207,7 @@ class StatelessAccumulation(WindowLifecycle):
         if self.window is not None and self.window.matches(variables):
             return
         self.window = _Window(variables, core_window.empty_state(
-            [tuple(v.shape) for v in variables],
+            [self._sum_shape(v) for v in variables],
             self.settings.accumulator_dtype, self.overwrite,
             self.window_length(), KERAS_OPS, self._epoch_steps,
             statistics_sums=self.statistics.empty_sums()))
@@ -204,13 +220,13 @@ class StatelessAccumulation(WindowLifecycle):
         with; the windows after it take this model's own length."""
         state = self.window.state
         gradients, _, counters = layout.window_to_write(
-            arrays, [_elements(s) for s in state.gradient_sums],
+            arrays, [_elements(v) for v in self.window.trainable_variables],
             float(state.skipped_windows))
         self.window.state = core_window.restored(
             state, counters, KERAS_OPS)._replace(
             gradient_sums=[
-                ops.cast(value.reshape(total.shape), total.dtype)
-                for value, total in zip(gradients, state.gradient_sums)],
+                self._placed(value, total, kept) for value, total, kept
+                in zip(gradients, state.gradient_sums, self.overwrite)],
             statistics_sums=[
                 ops.cast(value, "float32")
                 for value in layout.statistics_to_write(
@@ -372,7 +388,9 @@ def _traced_end(accumulation, ends, operands):
 
     trainable, optimizer_values, emptied = _chosen(
         accumulation, ends,
-        lambda: without_sums(end_window(accumulation, operands)),
+        lambda: without_sums(end_window(accumulation, (
+            trainable, optimizer_values,
+            accumulation.with_held_sums(window, consume=True)))),
         lambda: without_sums(operands))
     return trainable, optimizer_values, emptied._replace(
         gradient_sums=window.gradient_sums)
@@ -437,9 +455,11 @@ def _chosen(accumulation, predicate, if_true, if_false):
     accumulation selects outcomes, both run and each value is taken from
     the one `predicate` picks. Keras's `LossScaleOptimizer` branches in its
     own apply: under it the window's end branches too, which runs that
-    conditional once per window rather than in every micro step."""
+    conditional once per window rather than in every micro step. So does
+    a window whose store reduces its sums across devices as it ends."""
     if (not accumulation.selects_outcomes
-            or accumulation.loss_scaling.active):
+            or accumulation.loss_scaling.active
+            or accumulation.reduces_at_end):
         return ops.cond(predicate, if_true, if_false)
     return keras.tree.map_structure(
         lambda taken, other: (
