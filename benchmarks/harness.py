@@ -9,9 +9,11 @@ this module on any backend.
 
 import functools
 import json
+import math
 import os
 import pathlib
 import platform
+import re
 import subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -54,30 +56,31 @@ def write_json(path, results):
 
 
 # Worker processes -------------------------------------------------------------
-# The launcher of examples/multi_worker.py, which the tests run: free ports
+# The launcher of the multi-process examples, which the tests run: free ports
 # on 127.0.0.1, and processes run at once with none left behind.
 
 
-def _multi_worker_example():
+def _processes():
     import sys
 
     examples = str(ROOT / "examples")
     if examples not in sys.path:
         sys.path.insert(0, examples)
-    import multi_worker  # TensorFlow's: imported only where it is used
+    import processes
 
-    return multi_worker
+    return processes
 
 
 def free_ports(count):
     """`count` TCP ports free on 127.0.0.1 now."""
-    return _multi_worker_example().free_ports(count)
+    return _processes().free_ports(count)
 
 
-def run_bounded(commands, timeout):
+def run_bounded(commands, timeout, stop_all_on_failure=False):
     """Runs `commands` at once; returns their (exit code, output) in order,
-    killing and reaping them all on timeout or error."""
-    return _multi_worker_example().run_bounded(commands, timeout)
+    killing and reaping them all on timeout or error (and, with
+    `stop_all_on_failure`, once one fails)."""
+    return _processes().run_bounded(commands, timeout, stop_all_on_failure)
 
 
 # Collectives in a traced TensorFlow step --------------------------------------
@@ -177,6 +180,54 @@ def jax_compiled_step(model, x, y):
     step = jax.jit(functools.partial(type(model).train_step, model),
                    donate_argnums=0)
     return step.lower(state, (x, y)).compile()
+
+
+def jax_distributed_step_text(model, distribution, x, y, batch_size=8):
+    """The optimised HLO text of one JAX training step under
+    `distribution`, compiled as Keras's `fit()` compiles it (after one
+    epoch on `(x, y)`, which builds the model, its optimizer and the
+    window; with several processes, `(x, y)` are this process's rows)."""
+    import jax
+    import keras
+    from keras.src.backend.jax.trainer import _distribute_data
+
+    with distribution.scope():
+        model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False,
+                  verbose=0)
+        state = model._get_jax_state(
+            trainable_variables=True, non_trainable_variables=True,
+            optimizer_variables=True, metrics_variables=True)
+        data = _distribute_data((x[:batch_size], y[:batch_size]))
+        # Keras before 3.11 (checked on 3.10.0) forgets the state's layout
+        # when fit() ends, and its step constrains the state to it.
+        record = getattr(model, "_record_training_state_sharding_spec", None)
+        if record is not None:
+            record()
+        # Keras before 3.11 jits without out_shardings (its step constrains
+        # the layout itself).
+        step = jax.jit(model.train_step, out_shardings=(
+            None, model._get_state_sharding_spec()
+            if hasattr(keras.Model, "_get_state_sharding_spec") else None))
+        return step.lower(state, data).compile().as_text()
+
+
+def jax_all_reduces(hlo_text):
+    """The elements all-reduced in the entry computation (every step) and
+    in the computations it calls (the window end's branch), as
+    `{"every_step": n, "conditional": n}`."""
+    elements = {"every_step": 0, "conditional": 0}
+    place = None
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            place = ("every_step" if line.startswith("ENTRY")
+                     else "conditional")
+            continue
+        found = re.search(r"=\s*(.*?)\sall-reduce(-start)?\(", line)
+        if found:
+            elements[place] += sum(
+                math.prod(int(d) for d in dims.split(",") if d)
+                for dims in re.findall(r"\w+\[([\d,]*)\]", found.group(1)))
+    return elements
 
 
 def jax_step_memory(model, x, y):

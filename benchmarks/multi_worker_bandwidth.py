@@ -1,11 +1,13 @@
 """Two workers, one link: what reducing once per window saves.
 
-Two `MultiWorkerMirroredStrategy` workers on 127.0.0.1, one CPU core each,
-train a model whose gradient is 16.8 MB (a 2048x2048 dense layer and a small
-head). For each link bandwidth, the workers time plain Keras at micro-batch
-b against `AccumulatingModel` with n = 1, 2, 4, 8, 16 at the same b, in
-interleaved rounds (the order rotates every round), and count the
-cross-worker reductions in each model's traced training step.
+Two `MultiWorkerMirroredStrategy` workers (or, with `--backend jax`, two JAX
+processes under `keras.distribution.DataParallel`) on 127.0.0.1, one CPU
+core each, train a model whose gradient is 16.8 MB (a 2048x2048 dense layer
+and a small head). For each link bandwidth, the workers time plain Keras at
+micro-batch b against `AccumulatingModel` with n = 1, 2, 4, 8, 16 at the
+same b, in interleaved rounds (the order rotates every round), and count the
+cross-worker reductions in each model's traced training step (on JAX, the
+elements all-reduced in its compiled step).
 
 A bandwidth other than "host" is made with `tc` (token bucket) on the
 loopback of a network namespace the benchmark creates and removes itself;
@@ -25,7 +27,7 @@ checkout of another commit, e.g. made with `git worktree add`), so that two
 versions can be compared on the same machine; `--name` keeps its results
 apart.
 
-Run: sudo python benchmarks/multi_worker_bandwidth.py
+Run: sudo python benchmarks/multi_worker_bandwidth.py [--backend jax]
          [--bandwidths host 10gbit 1gbit 100mbit] [--rounds 7]
          [--out benchmarks/results] [--package-path DIR --name NAME]
 """
@@ -48,6 +50,8 @@ from harness import ROOT
 from harness import collective_reductions
 from harness import commit
 from harness import free_ports
+from harness import jax_all_reduces
+from harness import jax_distributed_step_text
 from harness import machine
 from harness import plain_keras_class
 from harness import run_bounded
@@ -58,7 +62,35 @@ from harness import write_json
 # One worker -------------------------------------------------------------------
 
 
+def _build(keras, model_class, **kwargs):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((WIDTH,))
+    hidden = keras.layers.Dense(WIDTH, activation="relu")(inputs)
+    outputs = keras.layers.Dense(10)(hidden)
+    model = model_class(inputs=inputs, outputs=outputs, **kwargs)
+    model.compile(
+        optimizer=keras.optimizers.SGD(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def _models(keras, plain_class):
+    """Plain Keras and an accumulating model per n."""
+    from accum_model import AccumulatingModel
+
+    models = {"keras": _build(keras, plain_class)}
+    for n in N_VALUES:
+        # n_gradients=1 as an int would run Keras's own step; {0: 1}
+        # runs the accumulating step with windows of one micro-batch.
+        models[f"n={n}"] = _build(keras, AccumulatingModel,
+                                  n_gradients=n if n > 1 else {0: 1})
+    return models
+
+
 def run_worker(args):
+    if args.backend == "jax":
+        return run_jax_process(args)
     os.environ["TF_CONFIG"] = json.dumps({
         "cluster": {"worker": [f"127.0.0.1:{p}" for p in args.ports]},
         "task": {"type": "worker", "index": args.worker_index},
@@ -68,49 +100,62 @@ def run_worker(args):
     import numpy as np
     import tensorflow as tf
 
-    from accum_model import AccumulatingModel
-    PlainKeras = plain_keras_class()
-
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(2)
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
-
-    def build(model_class, **kwargs):
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((WIDTH,))
-        hidden = keras.layers.Dense(WIDTH, activation="relu")(inputs)
-        outputs = keras.layers.Dense(10)(hidden)
-        model = model_class(inputs=inputs, outputs=outputs, **kwargs)
-        model.compile(
-            optimizer=keras.optimizers.SGD(1e-3),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
-        return model
-
     with strategy.scope():
-        models = {"keras": build(PlainKeras)}
-        for n in N_VALUES:
-            # n_gradients=1 as an int would run Keras's own step; {0: 1}
-            # runs the accumulating step with windows of one micro-batch.
-            models[f"n={n}"] = build(AccumulatingModel,
-                                     n_gradients=n if n > 1 else {0: 1})
+        models = _models(keras, plain_keras_class())
 
     global_batch = 2 * LOCAL_MICRO_BATCH
     rng = np.random.default_rng(0)
     x = rng.normal(size=(MICRO_BATCHES * global_batch, WIDTH)).astype(
         "float32")
     y = rng.integers(0, 10, size=len(x)).astype("int32")
-
-    def timed_fit(model):
-        start = time.perf_counter()
-        model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False,
-                  verbose=0)
-        return (time.perf_counter() - start) / MICRO_BATCHES
-
     reductions = {
         name: _reductions_per_step(model, strategy, x, y)
         for name, model in models.items()
     }
+    _time_and_report(args, models, x, y, global_batch, reductions)
+
+
+def run_jax_process(args):
+    """One of two JAX processes under `keras.distribution.DataParallel`,
+    each feeding its own half of every micro-batch."""
+    os.environ["KERAS_BACKEND"] = "jax"
+    import jax
+    import keras
+    import numpy as np
+
+    keras.distribution.initialize(f"127.0.0.1:{args.ports[0]}", 2,
+                                  args.worker_index)
+    distribution = keras.distribution.DataParallel(
+        devices=jax.devices(), auto_shard_dataset=False)
+    keras.distribution.set_distribution(distribution)
+    models = _models(keras, keras.Model)
+    rng = np.random.default_rng(args.worker_index)
+    x = rng.normal(size=(MICRO_BATCHES * LOCAL_MICRO_BATCH, WIDTH)).astype(
+        "float32")
+    y = rng.integers(0, 10, size=len(x)).astype("int32")
+    # Elements all-reduced in the compiled step (tests/test_communication.py
+    # counts with the same functions); the fit it runs first traces.
+    reductions = {
+        name: jax_all_reduces(jax_distributed_step_text(
+            model, distribution, x, y, batch_size=LOCAL_MICRO_BATCH))
+        for name, model in models.items()
+    }
+    _time_and_report(args, models, x, y, LOCAL_MICRO_BATCH, reductions)
+
+
+def _time_and_report(args, models, x, y, batch_size, reductions):
+    """Times one epoch of each model in rotating rounds; the first worker
+    writes the times and the reductions."""
+
+    def timed_fit(model):
+        start = time.perf_counter()
+        model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False,
+                  verbose=0)
+        return (time.perf_counter() - start) / MICRO_BATCHES
+
     for model in models.values():
         timed_fit(model)  # traces; not timed
     names = list(models)
@@ -207,7 +252,7 @@ def run_pair(args, prefix, timeout):
             "taskset", "-c", str(index % os.cpu_count())]) + [sys.executable,
             os.path.abspath(__file__), "--worker-index", str(index),
             "--ports", *map(str, ports), "--rounds", str(args.rounds),
-            "--out", out,
+            "--out", out, "--backend", args.backend,
         ]
         for index in range(2)
     ]
@@ -272,7 +317,8 @@ def to_markdown(results):
         f"accum_model: {run.get('accum_model', 'not recorded')}",
         "",
         "Milliseconds per micro-batch (global micro-batch of 32 over two "
-        "MultiWorkerMirroredStrategy workers on 127.0.0.1, a 2048-2048-10 "
+        f"{WORKERS[run.get('backend', 'tensorflow')]} on 127.0.0.1, a "
+        "2048-2048-10 "
         "MLP with a 16.8 MB gradient, SGD), median [min, max] over the "
         "rounds. \"keras\" is plain Keras on every micro-batch; n=k is "
         "AccumulatingModel with n_gradients=k. The fit is the least-squares "
@@ -320,11 +366,19 @@ def to_markdown(results):
     reductions = next((s["reductions"] for s in _links(results).values()
                        if "reductions" in s), None)
     if reductions:
-        lines += ["", "Collective reductions in one traced training step: "
+        lines += ["", (
+            "Elements all-reduced in one compiled training step"
+            if run.get("backend") == "jax" else
+            "Collective reductions in one traced training step") + ": "
                   + json.dumps(reductions)]
     return "\n".join(lines)
 
 
+WORKERS = {
+    "tensorflow": "MultiWorkerMirroredStrategy workers",
+    "jax": "JAX processes under keras.distribution.DataParallel (one CPU "
+           "device each)",
+}
 LINK_NAMES = {"host": "loopback, no limit", "10gbit": "10 Gbit/s link",
               "1gbit": "1 Gbit/s link", "100mbit": "100 Mbit/s link"}
 
@@ -378,6 +432,10 @@ def main(argv=None):
     parser.add_argument("--bandwidths", nargs="+",
                         default=["host", "10gbit", "1gbit", "100mbit"])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--backend", choices=("tensorflow", "jax"),
+                        default="tensorflow",
+                        help="MultiWorkerMirroredStrategy workers, or JAX "
+                             "processes under keras.distribution")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--out", default=os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -386,14 +444,22 @@ def main(argv=None):
                              "of one core each (taskset)")
     parser.add_argument("--package-path",
                         help="directory whose accum_model the workers use")
-    parser.add_argument("--name", default="multi_worker_bandwidth",
-                        help="file name stem of the results")
+    parser.add_argument("--name",
+                        help="file name stem of the results (default "
+                             "multi_worker_bandwidth, or "
+                             "jax_processes_bandwidth with --backend jax)")
     parser.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--ports", type=int, nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--replot", action="store_true",
                         help="rewrite the .md and .png from the .json, "
                              "without measuring")
     args = parser.parse_args(argv)
+    if args.name is None:
+        args.name = ("jax_processes_bandwidth" if args.backend == "jax"
+                     else "multi_worker_bandwidth")
+    if args.backend == "jax":
+        # The run's record names the backend the workers train on.
+        os.environ["KERAS_BACKEND"] = "jax"
     if args.replot:
         with open(os.path.join(args.out, args.name + ".json")) as f:
             results = json.load(f)
@@ -435,12 +501,12 @@ def main(argv=None):
                            else "one per worker"),
         "date": datetime.date.today().isoformat(),
         "accum_model": commit(args.package_path or ROOT),
+        "backend": args.backend,
     }
     first = next((s for s in _links(results).values()
                   if "reductions" in s), None)
     if first:
-        print("collective reductions in one traced step:",
-              json.dumps(first["reductions"]))
+        print("reductions in one step:", json.dumps(first["reductions"]))
     write_results(results, args.out, args.name)
     return 0
 

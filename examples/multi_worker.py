@@ -15,8 +15,6 @@ Run: python examples/multi_worker.py
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,32 +26,15 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from accum_model import AccumulatingModel  # noqa: E402
-
-
-
-# The data and the model: the same in every process -------------------------
-
-
-def make_data(samples, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(samples, 10)).astype("float32")
-    w = rng.normal(size=(10, 3)).astype("float32")
-    y = (np.tanh(x @ w) + 0.1 * rng.normal(size=(samples, 3))).astype(
-        "float32"
-    )
-    return x, y
-
-
-def build_model(model_class, **kwargs):
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((10,))
-    hidden = keras.layers.Dense(16, activation="tanh")(inputs)
-    outputs = keras.layers.Dense(3)(hidden)
-    return model_class(inputs=inputs, outputs=outputs, **kwargs)
-
-
-def make_optimizer():
-    return keras.optimizers.Adam(0.01)
+from processes import DieAtEpoch  # noqa: E402
+from processes import build_model  # noqa: E402
+from processes import free_ports  # noqa: E402
+from processes import make_data  # noqa: E402
+from processes import make_optimizer  # noqa: E402
+from processes import max_difference  # noqa: E402
+from processes import run_bounded  # noqa: E402
+from processes import saved_weights  # noqa: E402
+from processes import single_process_reference  # noqa: E402
 
 
 # One worker ------------------------------------------------------------------
@@ -101,63 +82,7 @@ def run_worker(args):
         }, f)
 
 
-class DieAtEpoch(keras.callbacks.Callback):
-    """Kills this process in the middle of an epoch: a worker failure."""
-
-    def __init__(self, epoch):
-        super().__init__()
-        self.epoch = epoch
-        self.current = None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.current = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.current == self.epoch and batch == 2:
-            os._exit(3)
-
-
 # The launcher ----------------------------------------------------------------
-
-
-def free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
-def run_bounded(commands, timeout):
-    """Runs `commands` at once; returns their (exit code, output) in order.
-
-    Never leaves a process behind: on timeout (or any error while waiting)
-    all are killed and reaped, and the error is raised.
-    """
-    processes = [
-        subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-        )
-        for command in commands
-    ]
-    deadline = time.monotonic() + timeout
-    results = []
-    try:
-        for process in processes:
-            remaining = max(1.0, deadline - time.monotonic())
-            output, _ = process.communicate(timeout=remaining)
-            results.append((process.returncode, output))
-    except BaseException:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-        for process in processes:
-            process.communicate()
-        raise
-    return results
 
 
 def launch_workers(args, out, timeout):
@@ -186,50 +111,16 @@ def launch_workers(args, out, timeout):
     return run_bounded(commands, timeout)
 
 
-def single_process_reference(args, policy=None):
-    """Plain Keras, one device, one step on each window's samples.
-
-    Windows are `n_gradients` micro-batches of `micro_batch` samples, each
-    epoch's last one shorter; with `--carry-window` they run on across epoch
-    ends (the last of training is applied when it ends).
-    """
-    keras.mixed_precision.set_global_policy(
-        policy or ("mixed_float16" if args.mixed_precision else "float32")
-    )
-    model = build_model(keras.Model)
-    model.compile(optimizer=make_optimizer(), loss="mse")
-    x, y = make_data(args.samples)
-    if not args.carry_window:
-        model.fit(x, y, batch_size=args.micro_batch * args.n_gradients,
-                  epochs=args.epochs, shuffle=False, verbose=0)
-        return model
-    micro_batches = [
-        np.arange(start, min(start + args.micro_batch, args.samples))
-        for _ in range(args.epochs)
-        for start in range(0, args.samples, args.micro_batch)
-    ]
-    for first in range(0, len(micro_batches), args.n_gradients):
-        rows = np.concatenate(micro_batches[first:first + args.n_gradients])
-        model.train_on_batch(x[rows], y[rows])
-    return model
-
-
 def compare(args, out):
-    workers = []
-    for index in range(2):
-        with np.load(os.path.join(out, f"worker{index}.npz")) as arrays:
-            workers.append([arrays[k] for k in sorted(
-                arrays.files, key=lambda name: int(name.split("_")[1]))])
+    workers = [saved_weights(os.path.join(out, f"worker{index}.npz"))
+               for index in range(2)]
     reference = single_process_reference(args).get_weights()
-
-    def difference(a, b):
-        return max(float(np.max(np.abs(p - q))) for p, q in zip(a, b))
 
     with open(os.path.join(out, "worker0.json")) as f:
         info = json.load(f)
     comparison = {
-        "workers_max_difference": difference(workers[0], workers[1]),
-        "vs_single_process_max_difference": difference(workers[0],
+        "workers_max_difference": max_difference(workers[0], workers[1]),
+        "vs_single_process_max_difference": max_difference(workers[0],
                                                        reference),
         "iterations": info["iterations"],
         "replicas": info["replicas"],
@@ -238,7 +129,7 @@ def compare(args, out):
         # How far float16 rounding alone moves the large batch: the scale
         # against which the mixed-precision difference is to be read.
         float32_reference = single_process_reference(args, "float32")
-        comparison["float16_rounding_max_difference"] = difference(
+        comparison["float16_rounding_max_difference"] = max_difference(
             reference, float32_reference.get_weights()
         )
     return comparison

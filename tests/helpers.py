@@ -2,7 +2,6 @@
 
 import contextlib
 import pathlib
-import re
 import sys
 
 import numpy as np
@@ -17,6 +16,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent
 import harness  # noqa: E402
 
 collective_reductions = harness.collective_reductions
+compiled_jax_step = harness.jax_distributed_step_text
+jax_all_reduces = harness.jax_all_reduces
 traced_step = harness.traced_step
 
 
@@ -158,52 +159,6 @@ def batch_norm_mlp(model_class, **kwargs):
     hidden = keras.layers.Dense(8)(inputs)
     hidden = keras.layers.BatchNormalization()(hidden)
     return model_class(inputs, keras.layers.Dense(3)(hidden), **kwargs)
-
-
-def compiled_jax_step(model, distribution, x, y, batch_size=8):
-    """The optimised HLO text of one JAX training step under
-    `distribution`, compiled as Keras's `fit()` compiles it."""
-    import jax
-    from keras.src.backend.jax.trainer import _distribute_data
-
-    with distribution.scope():
-        # One epoch builds the model, its optimizer and the window.
-        model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False,
-                  verbose=0)
-        state = model._get_jax_state(
-            trainable_variables=True, non_trainable_variables=True,
-            optimizer_variables=True, metrics_variables=True)
-        data = _distribute_data((x[:batch_size], y[:batch_size]))
-        # Keras before 3.11 (checked on 3.10.0) forgets the state's layout
-        # when fit() ends, and its step constrains the state to it.
-        record = getattr(model, "_record_training_state_sharding_spec", None)
-        if record is not None:
-            record()
-        # Keras before 3.11 jits without out_shardings (its step constrains
-        # the layout itself).
-        step = jax.jit(model.train_step, out_shardings=(
-            None, model._get_state_sharding_spec()
-            if hasattr(keras.Model, "_get_state_sharding_spec") else None))
-        return step.lower(state, data).compile().as_text()
-
-
-def jax_all_reduces(hlo_text):
-    """The elements all-reduced in the entry computation (every step) and
-    in the computations it calls (the window end's branch), as
-    `{"every_step": n, "conditional": n}`."""
-    elements = {"every_step": 0, "conditional": 0}
-    place = None
-    for line in hlo_text.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            place = ("every_step" if line.startswith("ENTRY")
-                     else "conditional")
-            continue
-        found = re.search(r"=\s*(.*?)\sall-reduce(-start)?\(", line)
-        if found:
-            elements[place] += sum(
-                int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-                for dims in re.findall(r"\w+\[([\d,]*)\]", found.group(1)))
-    return elements
 
 
 def numpy_of(value):

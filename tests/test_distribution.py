@@ -336,3 +336,4 @@ def test_strategies_over_one_device_match_the_large_batch(kind):
     model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     assert iterations(model) == iterations(plain) == 8
     assert max_weight_difference(plain, model) <= TOLERANCE
+

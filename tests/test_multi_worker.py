@@ -7,7 +7,6 @@ plain Keras trained in one process on the large batch. The cases of
 here, each with one device.
 """
 
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 
 import multi_worker_cases as cases
+from helpers import harness
 
 EXAMPLE = (pathlib.Path(__file__).resolve().parent.parent / "examples"
            / "multi_worker.py")
@@ -72,20 +72,13 @@ def test_worker_failure_ends_in_bounded_time_and_the_window_resumes(
     assert report["vs_single_process_max_difference"] <= 1e-5
 
 
-def _launcher():
-    spec = importlib.util.spec_from_file_location("multi_worker", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.fixture(scope="module")
 def two_worker_cases(tmp_path_factory):
     """The directory where both workers saved every case's results."""
     out = tmp_path_factory.mktemp("multi_worker_cases")
-    launcher = _launcher()
-    ports = launcher.free_ports(2)
-    results = launcher.run_bounded([
+    ports = harness.free_ports(2)
+    results = harness.run_bounded([
         [sys.executable, str(CASES_SCRIPT), "--worker-index", str(index),
          "--ports", *map(str, ports), "--out", str(out)]
         for index in range(2)

@@ -361,14 +361,17 @@ def check_strategy(model):
 
 
 def batch_split_ways():
-    """Int. How many equal parts `keras.distribution` cuts each batch into
-    (the devices along its batch axis; 1 without a distribution)."""
+    """Int. How many equal parts `keras.distribution` cuts each batch that
+    `fit()` is given into: the devices along its batch axis (1 without a
+    distribution) that this process feeds. With several processes each
+    hands `fit()` its own share of the batch, cut over its own devices."""
     distribution = keras.distribution.distribution()
     if distribution is None:
         return 1
     mesh = distribution.device_mesh
-    return int(dict(zip(mesh.axis_names, mesh.shape)).get(
+    ways = int(dict(zip(mesh.axis_names, mesh.shape)).get(
         distribution.batch_dim_name, 1))
+    return max(1, ways // jax.process_count())
 
 
 def accumulate_gradients(model, gradients, weight, batch_size=None):

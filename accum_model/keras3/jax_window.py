@@ -23,7 +23,6 @@ from jax.sharding import PartitionSpec
 from accum_model.core import class_tree
 from accum_model.core.variables import is_overwritten_with_gradient
 from accum_model.keras3 import stateless_window
-from accum_model.keras3.normalization import pools_moving_statistics
 from accum_model.keras3.training import layers_of
 
 
@@ -98,16 +97,12 @@ class JaxAccumulation(stateless_window.StatelessAccumulation):
         return self.blocks is not None
 
     def build_window(self, model):
-        blocks = device_blocks() if self._samples_apart(model) else None
-        if self.window is not None and blocks != self.blocks:
-            # Fit again under another distribution: the open window's sums
-            # move to the new layout.
-            state = self.with_held_sums(self.window.state)
-            self.blocks = blocks
-            self.window.state = state._replace(gradient_sums=[
-                self.spread(total, kept) for total, kept in zip(
-                    state.gradient_sums, self.overwrite)])
-        self.blocks = blocks
+        # Settled with each new window: Keras lays a model's variables out
+        # once, as they are made, and a window that is kept keeps its sums.
+        if self.window is None or not self.window.matches(
+                model.trainable_variables):
+            self.blocks = (device_blocks() if self._samples_apart(model)
+                           else None)
         super().build_window(model)
 
     def _samples_apart(self, model):
@@ -117,9 +112,11 @@ class JaxAccumulation(stateless_window.StatelessAccumulation):
         batch's moments, the noise scale needs each micro-batch's whole
         gradient, float16 sums could overflow apart where the whole would
         not, a variable is overwritten rather than updated, or the model
-        computes its loss itself."""
+        computes its loss itself. (A layer of the user's own that mixes
+        samples sees each device's share, as under `MirroredStrategy`.)"""
         return not (
-            any(pools_moving_statistics(layer) for layer in layers_of(model))
+            any(isinstance(layer, keras.layers.BatchNormalization)
+                and layer.trainable for layer in layers_of(model))
             or self.settings.measure_noise_scale
             or self.settings.may_overflow
             or any(is_overwritten_with_gradient(v)
