@@ -413,7 +413,8 @@ def plot(results, path):
         axis.set_xscale("log", base=2)
         axis.set_xticks(N_VALUES, [str(n) for n in N_VALUES])
         axis.set_yscale("log")
-        axis.set_yticks([50, 100, 200, 400], ["50", "100", "200", "400"])
+        ticks = [25, 50, 100, 200, 400, 800, 1600, 3200]
+        axis.set_yticks(ticks, [str(t) for t in ticks])
         axis.minorticks_off()
         axis.set_title(LINK_NAMES.get(link, link))
         axis.set_xlabel("n_gradients")
