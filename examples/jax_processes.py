@@ -17,8 +17,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
-import time
 
 os.environ["KERAS_BACKEND"] = "jax"
 
@@ -28,8 +26,11 @@ import numpy as np  # noqa: E402
 
 from accum_model import AccumulatingModel  # noqa: E402
 from processes import DieAtEpoch  # noqa: E402
+from processes import add_arguments  # noqa: E402
 from processes import build_model  # noqa: E402
+from processes import forwarded  # noqa: E402
 from processes import free_ports  # noqa: E402
+from processes import launch_and_compare  # noqa: E402
 from processes import make_data  # noqa: E402
 from processes import make_optimizer  # noqa: E402
 from processes import max_difference  # noqa: E402
@@ -88,20 +89,9 @@ def launch_processes(args, out, timeout):
     port, = free_ports(1)
     commands = []
     for index in range(PROCESSES):
-        command = [
+        commands.append([
             sys.executable, os.path.abspath(__file__), "--process-index",
-            str(index), "--port", str(port), "--out", out,
-            "--samples", str(args.samples), "--micro-batch",
-            str(args.micro_batch), "--n-gradients", str(args.n_gradients),
-            "--epochs", str(args.epochs),
-        ]
-        if args.carry_window:
-            command.append("--carry-window")
-        if args.backup_dir:
-            command += ["--backup-dir", args.backup_dir]
-        if args.fail_at_epoch is not None:
-            command += ["--fail-at-epoch", str(args.fail_at_epoch)]
-        commands.append(command)
+            str(index), "--port", str(port), *forwarded(args, out)])
     return run_bounded(commands, timeout, stop_all_on_failure=True)
 
 
@@ -121,19 +111,7 @@ def compare(args, out):
 
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=100)
-    parser.add_argument("--micro-batch", type=int, default=8,
-                        help="global micro-batch size (over both processes)")
-    parser.add_argument("--n-gradients", type=int, default=4)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--carry-window", action="store_true",
-                        help="flush_each_epoch=False: windows span epochs")
-    parser.add_argument("--backup-dir")
-    parser.add_argument("--fail-at-epoch", type=int)
-    parser.add_argument("--timeout", type=float, default=300)
-    parser.add_argument("--out")
-    parser.add_argument("--json", action="store_true",
-                        help="print the comparison as one JSON line")
+    add_arguments(parser)
     parser.add_argument("--process-index", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -153,33 +131,18 @@ def main(argv=None):
     if args.process_index is not None:
         run_process(args)
         return 0
-    out = args.out or tempfile.mkdtemp(prefix="accum_model_processes_")
-    start = time.monotonic()
-    results = launch_processes(args, out, args.timeout)
-    seconds = time.monotonic() - start
-    codes = [code for code, _ in results]
-    if any(codes):
-        if args.json:
-            print(json.dumps({"exit_codes": codes, "seconds": seconds,
-                              "outputs": [o[-3000:] for _, o in results]}))
-        for index, (code, output) in enumerate(results):
-            if code != 0:
-                print(f"process {index} exited with {code}:\n"
-                      f"{output[-3000:]}")
-        return 1
-    comparison = compare(args, out)
-    if args.json:
-        print(json.dumps({"exit_codes": codes, "seconds": seconds,
-                          **comparison}))
-    else:
-        print(f"{comparison['devices']} devices in "
-              f"{comparison['processes']} processes, "
-              f"{comparison['iterations']} updates")
-        print(f"max |weight difference| between the processes: "
-              f"{comparison['processes_max_difference']:.2e}")
-        print(f"max |weight difference| vs one process, large batch: "
-              f"{comparison['vs_single_process_max_difference']:.2e}")
-    return 0
+    return launch_and_compare(args, launch_processes, compare, "process",
+                              summary)
+
+
+def summary(comparison):
+    return "\n".join([
+        f"{comparison['devices']} devices in {comparison['processes']} "
+        f"processes, {comparison['iterations']} updates",
+        "max |weight difference| between the processes: "
+        f"{comparison['processes_max_difference']:.2e}",
+        "max |weight difference| vs one process, large batch: "
+        f"{comparison['vs_single_process_max_difference']:.2e}"])
 
 
 if __name__ == "__main__":

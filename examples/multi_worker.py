@@ -16,8 +16,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -27,8 +25,11 @@ import tensorflow as tf  # noqa: E402
 
 from accum_model import AccumulatingModel  # noqa: E402
 from processes import DieAtEpoch  # noqa: E402
+from processes import add_arguments  # noqa: E402
 from processes import build_model  # noqa: E402
+from processes import forwarded  # noqa: E402
 from processes import free_ports  # noqa: E402
+from processes import launch_and_compare  # noqa: E402
 from processes import make_data  # noqa: E402
 from processes import make_optimizer  # noqa: E402
 from processes import max_difference  # noqa: E402
@@ -92,21 +93,12 @@ def launch_workers(args, out, timeout):
     for index in range(2):
         command = [
             sys.executable, os.path.abspath(__file__), "--worker-index",
-            str(index), "--ports", *map(str, ports), "--out", out,
-            "--samples", str(args.samples), "--micro-batch",
-            str(args.micro_batch), "--n-gradients", str(args.n_gradients),
-            "--epochs", str(args.epochs),
+            str(index), "--ports", *map(str, ports), *forwarded(args, out),
         ]
         if args.mixed_precision:
             command.append("--mixed-precision")
         if args.plain_keras:
             command.append("--plain-keras")
-        if args.carry_window:
-            command.append("--carry-window")
-        if args.backup_dir:
-            command += ["--backup-dir", args.backup_dir]
-        if args.fail_at_epoch is not None:
-            command += ["--fail-at-epoch", str(args.fail_at_epoch)]
         commands.append(command)
     return run_bounded(commands, timeout)
 
@@ -137,20 +129,8 @@ def compare(args, out):
 
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=100)
-    parser.add_argument("--micro-batch", type=int, default=8,
-                        help="global micro-batch size (over both workers)")
-    parser.add_argument("--n-gradients", type=int, default=4)
-    parser.add_argument("--epochs", type=int, default=3)
+    add_arguments(parser)
     parser.add_argument("--mixed-precision", action="store_true")
-    parser.add_argument("--carry-window", action="store_true",
-                        help="flush_each_epoch=False: windows span epochs")
-    parser.add_argument("--backup-dir")
-    parser.add_argument("--fail-at-epoch", type=int)
-    parser.add_argument("--timeout", type=float, default=300)
-    parser.add_argument("--out")
-    parser.add_argument("--json", action="store_true",
-                        help="print the comparison as one JSON line")
     parser.add_argument("--plain-keras", action="store_true",
                         help="train keras.Model in the workers instead")
     parser.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
@@ -163,32 +143,18 @@ def main(argv=None):
     if args.worker_index is not None:
         run_worker(args)
         return 0
-    out = args.out or tempfile.mkdtemp(prefix="accum_model_workers_")
-    start = time.monotonic()
-    results = launch_workers(args, out, args.timeout)
-    seconds = time.monotonic() - start
-    codes = [code for code, _ in results]
-    if any(codes):
-        if args.json:
-            print(json.dumps({"exit_codes": codes, "seconds": seconds,
-                              "outputs": [o[-3000:] for _, o in results]}))
-        for index, (code, output) in enumerate(results):
-            if code != 0:
-                print(f"worker {index} exited with {code}:\n"
-                      f"{output[-3000:]}")
-        return 1
-    comparison = compare(args, out)
-    if args.json:
-        print(json.dumps({"exit_codes": codes, "seconds": seconds,
-                          **comparison}))
-    else:
-        print(f"{comparison['replicas']} replicas on 2 worker processes, "
-              f"{comparison['iterations']} updates")
-        print(f"max |weight difference| between the workers: "
-              f"{comparison['workers_max_difference']:.2e}")
-        print(f"max |weight difference| vs one process, large batch: "
-              f"{comparison['vs_single_process_max_difference']:.2e}")
-    return 0
+    return launch_and_compare(args, launch_workers, compare, "worker",
+                              summary)
+
+
+def summary(comparison):
+    return "\n".join([
+        f"{comparison['replicas']} replicas on 2 worker processes, "
+        f"{comparison['iterations']} updates",
+        "max |weight difference| between the workers: "
+        f"{comparison['workers_max_difference']:.2e}",
+        "max |weight difference| vs one process, large batch: "
+        f"{comparison['vs_single_process_max_difference']:.2e}"])
 
 
 if __name__ == "__main__":

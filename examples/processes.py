@@ -6,9 +6,11 @@ Used by `multi_worker.py` (TensorFlow) and `jax_processes.py` (JAX); needs
 only Keras and NumPy, on whichever backend the example runs.
 """
 
+import json
 import os
 import socket
 import subprocess
+import tempfile
 import time
 
 import keras
@@ -144,3 +146,62 @@ def saved_weights(path):
     with np.load(path) as arrays:
         return [arrays[k] for k in sorted(
             arrays.files, key=lambda name: int(name.split("_")[1]))]
+
+
+def add_arguments(parser):
+    """The arguments both multi-process examples take."""
+    parser.add_argument("--samples", type=int, default=100)
+    parser.add_argument("--micro-batch", type=int, default=8,
+                        help="global micro-batch size (over both processes)")
+    parser.add_argument("--n-gradients", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--carry-window", action="store_true",
+                        help="flush_each_epoch=False: windows span epochs")
+    parser.add_argument("--backup-dir")
+    parser.add_argument("--fail-at-epoch", type=int)
+    parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--out")
+    parser.add_argument("--json", action="store_true",
+                        help="print the comparison as one JSON line")
+
+
+def forwarded(args, out):
+    """What a launcher passes each process of `add_arguments`' arguments."""
+    command = ["--out", out, "--samples", str(args.samples),
+               "--micro-batch", str(args.micro_batch), "--n-gradients",
+               str(args.n_gradients), "--epochs", str(args.epochs)]
+    if args.carry_window:
+        command.append("--carry-window")
+    if args.backup_dir:
+        command += ["--backup-dir", args.backup_dir]
+    if args.fail_at_epoch is not None:
+        command += ["--fail-at-epoch", str(args.fail_at_epoch)]
+    return command
+
+
+def launch_and_compare(args, launch, compare, name, summary):
+    """The launcher's side of a multi-process example: runs `launch(args,
+    out, timeout)`, then prints `compare(args, out)` (as one JSON line with
+    `--json`, else `summary` of it), or each failed process's output,
+    naming it `name` and its index. Returns the exit code."""
+    out = args.out or tempfile.mkdtemp(prefix="accum_model_processes_")
+    start = time.monotonic()
+    results = launch(args, out, args.timeout)
+    seconds = time.monotonic() - start
+    codes = [code for code, _ in results]
+    if any(codes):
+        if args.json:
+            print(json.dumps({"exit_codes": codes, "seconds": seconds,
+                              "outputs": [o[-3000:] for _, o in results]}))
+        for index, (code, output) in enumerate(results):
+            if code != 0:
+                print(f"{name} {index} exited with {code}:\n"
+                      f"{output[-3000:]}")
+        return 1
+    comparison = compare(args, out)
+    if args.json:
+        print(json.dumps({"exit_codes": codes, "seconds": seconds,
+                          **comparison}))
+    else:
+        print(summary(comparison))
+    return 0

@@ -161,6 +161,23 @@ def batch_norm_mlp(model_class, **kwargs):
     return model_class(inputs, keras.layers.Dense(3)(hidden), **kwargs)
 
 
+def run_example(path, *arguments, timeout=300):
+    """Runs a multi-process example with `--json`; returns its exit code
+    and the JSON line it printed last."""
+    import json
+    import subprocess
+
+    result = subprocess.run(
+        [sys.executable, str(path), "--json", "--timeout", str(timeout),
+         *arguments],
+        capture_output=True, text=True, timeout=timeout + 120,
+    )
+    lines = [line for line in result.stdout.splitlines()
+             if line.startswith("{")]
+    assert lines, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.returncode, json.loads(lines[-1])
+
+
 def numpy_of(value):
     """A variable's or tensor's value as a NumPy array, on any backend."""
     return np.asarray(keras.ops.convert_to_numpy(value))

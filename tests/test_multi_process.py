@@ -6,13 +6,11 @@ they outlive its timeout, and compares their weights with plain Keras
 trained in one process on the large batch.
 """
 
-import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
+import helpers
 from backends import jax_only
 
 EXAMPLE = (pathlib.Path(__file__).resolve().parent.parent / "examples"
@@ -22,15 +20,7 @@ pytestmark = [jax_only("jax.distributed"), pytest.mark.distributed]
 
 
 def run_example(*arguments, timeout=300):
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--json", "--timeout", str(timeout),
-         *arguments],
-        capture_output=True, text=True, timeout=timeout + 120,
-    )
-    lines = [line for line in result.stdout.splitlines()
-             if line.startswith("{")]
-    assert lines, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.returncode, json.loads(lines[-1])
+    return helpers.run_example(EXAMPLE, *arguments, timeout=timeout)
 
 
 def test_a_process_that_dies_mid_window_resumes_exactly(tmp_path):

@@ -9,13 +9,13 @@ here, each with one device.
 
 import json
 import pathlib
-import subprocess
 import sys
 
 import keras
 import numpy as np
 import pytest
 
+import helpers
 import multi_worker_cases as cases
 from helpers import harness
 
@@ -25,15 +25,7 @@ CASES_SCRIPT = pathlib.Path(cases.__file__)
 
 
 def run_example(*arguments, timeout=300):
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--json", "--timeout", str(timeout),
-         *arguments],
-        capture_output=True, text=True, timeout=timeout + 120,
-    )
-    lines = [line for line in result.stdout.splitlines()
-             if line.startswith("{")]
-    assert lines, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.returncode, json.loads(lines[-1])
+    return helpers.run_example(EXAMPLE, *arguments, timeout=timeout)
 
 
 def test_two_workers_equal_one_process_with_a_short_last_window():
