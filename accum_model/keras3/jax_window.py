@@ -156,19 +156,16 @@ class JaxAccumulation(stateless_window.StatelessAccumulation):
             jnp.max(total, axis=0) if kept else jnp.sum(total, axis=0)
             for total, kept in zip(state.gradient_sums, self.overwrite)])
 
-    def apply_open_window(self):
-        super().apply_open_window()
-        state = self.window.state if self.window is not None else None
-        if self.blocks is None or state is None:
-            return
-        # The window end summed the blocks: its emptied sums go back to
-        # one block per device.
-        self.window.state = state._replace(gradient_sums=[
-            total if tuple(total.shape) == self._sum_shape(variable)
-            else self.spread(total, kept)
-            for total, variable, kept in zip(
-                state.gradient_sums, self.window.trainable_variables,
-                self.overwrite)])
+    def zero_sums(self):
+        # The emptied window's sums keep one block per device (the window
+        # end reduced the ones it applied). Blocks are kept only where no
+        # variable is overwritten, so every sum is in the accumulator dtype.
+        if self.blocks is None:
+            return None
+        dtype = self.settings.accumulator_dtype
+        return [jax.lax.with_sharding_constraint(
+            jnp.zeros(self._sum_shape(variable), dtype), self.blocks.sharding)
+            for variable in self.window.trainable_variables]
 
 
 def window_sharding(window, trainable_shardings, blocks=None):
