@@ -123,8 +123,7 @@ def accumulating_train_step(model, state, data):
             lambda trainable: scaled_loss_of(
                 trainable, forward(trainable, non_trainable, x)),
             has_aux=True)(trainable)
-        gradients = [accumulation.spread(g, kept) for g, kept in zip(
-            gradients, accumulation.overwrite)]
+        gradients = [accumulation.spread(g) for g in gradients]
     else:
         gradients, aux = gradients
     loss, y_pred, new_non_trainable, metrics_values, weight, moments = aux
@@ -405,8 +404,7 @@ def stateless_accumulate_gradients(model, optimizer_variables, gradients,
             f"({len(window.gradient_sums)}). Received: {len(gradients)}")
     accumulation.divide_by_weight = True
     weight = jnp.asarray(weight, jnp.float32)
-    gradients = [accumulation.spread(g, kept)
-                 for g, kept in zip(gradients, accumulation.overwrite)]
+    gradients = [accumulation.spread(g) for g in gradients]
     add = stateless_window.add_micro_batch
     trainable, _, optimizer_values, window, *_ = add(
         accumulation, list(trainable_variables), optimizer_variables[:-1],

@@ -131,21 +131,16 @@ class JaxAccumulation(stateless_window.StatelessAccumulation):
         if self.blocks is None:
             return super()._placed(total, like, kept)
         return self.spread(
-            jnp.asarray(total.reshape(like.shape[1:]), like.dtype), kept)
+            jnp.asarray(total.reshape(like.shape[1:]), like.dtype))
 
-    def spread(self, value, kept):
+    def spread(self, value):
         """`value`, a whole gradient (or sum) of one variable, as blocks
-        that sum to it; a variable Keras overwrites keeps it in every
-        block, whose largest is taken."""
+        that sum to it: itself in the first, zeros in the rest. (Blocks are
+        kept only where no variable is overwritten, see `_samples_apart`.)"""
         if self.blocks is None:
             return value
-        count = self.blocks.count
-        if kept:
-            blocks = jnp.broadcast_to(value[None], (count,) + value.shape)
-        else:
-            blocks = jnp.concatenate(
-                [value[None], jnp.zeros((count - 1,) + value.shape,
-                                        value.dtype)])
+        blocks = jnp.concatenate([value[None], jnp.zeros(
+            (self.blocks.count - 1,) + value.shape, value.dtype)])
         return jax.lax.with_sharding_constraint(blocks, self.blocks.sharding)
 
     def with_held_sums(self, state, consume=False):
@@ -153,13 +148,12 @@ class JaxAccumulation(stateless_window.StatelessAccumulation):
         if self.blocks is None:
             return state
         return state._replace(gradient_sums=[
-            jnp.max(total, axis=0) if kept else jnp.sum(total, axis=0)
-            for total, kept in zip(state.gradient_sums, self.overwrite)])
+            jnp.sum(total, axis=0) for total in state.gradient_sums])
 
     def zero_sums(self):
         # The emptied window's sums keep one block per device (the window
-        # end reduced the ones it applied). Blocks are kept only where no
-        # variable is overwritten, so every sum is in the accumulator dtype.
+        # end reduced the ones it applied), every one in the accumulator
+        # dtype (no variable is overwritten where blocks are kept).
         if self.blocks is None:
             return None
         dtype = self.settings.accumulator_dtype
