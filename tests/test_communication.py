@@ -168,41 +168,8 @@ def test_windows_carried_over_epochs_count_micro_steps_with_one_scalar(
 
 # Where each device's share of a micro-batch's gradient can be summed apart
 # from the others'; in the rest the samples meet in the micro step.
-SUMMED_APART = ("plain", "clipnorm", "global_clipnorm", "clipvalue")
-
-
-@jax_only("keras.distribution.DataParallel")
-@pytest.mark.filterwarnings("ignore:BatchNormalization layers")
-@pytest.mark.parametrize("name", sorted(CONFIGURATIONS))
-def test_data_parallel_reduces_the_gradient_once_per_window(two_replicas,
-                                                            name):
-    if name == "float64_accumulators":
-        pytest.skip("float64 on JAX needs jax_enable_x64, refused otherwise "
-                    "(tests/test_backends.py)")
-    build, optimizer_keywords, model_keywords = CONFIGURATIONS[name]
-    x, y = regression_data(samples=64)
-    with two_replicas.scope():
-        plain = build(keras.Model)
-        plain.compile(optimizer=keras.optimizers.SGD(0.1,
-                                                     **optimizer_keywords),
-                      loss="mse")
-    model = _compiled(two_replicas, build, optimizer_keywords,
-                      model_keywords)
-    plain_elements = jax_all_reduces(compiled_jax_step(plain, two_replicas,
-                                                       x, y))
-    elements = jax_all_reduces(compiled_jax_step(model, two_replicas, x, y))
-    weights = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
-    # Plain Keras reduces the gradient (and the loss) on every step.
-    assert plain_elements["every_step"] > weights
-    assert plain_elements["conditional"] == 0
-    if name in SUMMED_APART:
-        # The micro step reduces the loss only; the window end the gradient.
-        assert elements == {
-            "every_step": plain_elements["every_step"] - weights,
-            "conditional": weights}
-    else:
-        assert elements == {"every_step": plain_elements["every_step"],
-                            "conditional": 0}
+SUMMED_APART = ("plain", "clipnorm", "global_clipnorm", "clipvalue",
+                "batch_statistics", "dropout")
 
 
 def _dropout_mlp(model_class, **kwargs):
@@ -224,14 +191,68 @@ def _activity_regularized_mlp(model_class, **kwargs):
 
 
 @jax_only("keras.distribution.DataParallel")
-@pytest.mark.parametrize("build", [_dropout_mlp, _activity_regularized_mlp],
-                         ids=["dropout", "activity_regularizer"])
+@pytest.mark.filterwarnings("ignore:BatchNormalization layers")
+@pytest.mark.parametrize("name", sorted({**CONFIGURATIONS, "dropout": None}))
+def test_data_parallel_reduces_the_gradient_once_per_window(two_replicas,
+                                                            name):
+    if name == "float64_accumulators":
+        pytest.skip("float64 on JAX needs jax_enable_x64, refused otherwise "
+                    "(tests/test_backends.py)")
+    build, optimizer_keywords, model_keywords = (
+        (_dropout_mlp, {}, {}) if name == "dropout" else CONFIGURATIONS[name])
+    x, y = regression_data(samples=64)
+    with two_replicas.scope():
+        plain = build(keras.Model)
+        plain.compile(optimizer=keras.optimizers.SGD(0.1,
+                                                     **optimizer_keywords),
+                      loss="mse")
+    model = _compiled(two_replicas, build, optimizer_keywords,
+                      model_keywords)
+    plain_elements = jax_all_reduces(compiled_jax_step(plain, two_replicas,
+                                                       x, y))
+    elements = jax_all_reduces(compiled_jax_step(model, two_replicas, x, y))
+    weights = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    # Plain Keras reduces the gradient (and the loss) on every step.
+    assert plain_elements["every_step"] > weights
+    assert plain_elements["conditional"] == 0
+    if name in SUMMED_APART:
+        # The micro step reduces what plain Keras's does but the gradient:
+        # the loss, a BatchNormalization layer's moments, and the two
+        # numbers of a random layer's seed (taken from the first device);
+        # the window end the gradient.
+        seed = 2 if name == "dropout" else 0
+        assert elements == {
+            "every_step": plain_elements["every_step"] - weights + seed,
+            "conditional": weights}
+    else:
+        assert elements == {"every_step": plain_elements["every_step"],
+                            "conditional": 0}
+
+
+class _FixedNoise(keras.layers.Layer):
+    def call(self, inputs):
+        return inputs + keras.random.normal(keras.ops.shape(inputs), seed=3)
+
+
+def _fixed_noise_mlp(model_class, **kwargs):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,))
+    hidden = _FixedNoise()(keras.layers.Dense(8, activation="tanh")(inputs))
+    return model_class(inputs=inputs, outputs=keras.layers.Dense(3)(hidden),
+                       **kwargs)
+
+
+@jax_only("keras.distribution.DataParallel")
+@pytest.mark.parametrize("build", [_activity_regularized_mlp,
+                                   _fixed_noise_mlp],
+                         ids=["activity_regularizer", "fixed_seed"])
 def test_data_parallel_passes_where_samples_meet_reduce_each_micro_step(
         two_replicas, build):
-    # A random layer's seed, or a loss of the activations, is known only
-    # as the step is traced: the window's sums are already one block per
-    # device, so the micro step reduces as plain Keras's and the window end
-    # sums the blocks.
+    # A loss of the activations, or a draw from a fixed seed (the same
+    # numbers on every device's share), is known only as the step is
+    # traced: the window's sums are already one block per device, so the
+    # micro step reduces as plain Keras's and the window end sums the
+    # blocks.
     x, y = regression_data(samples=64)
     with two_replicas.scope():
         plain = build(keras.Model)

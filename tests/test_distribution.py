@@ -2,6 +2,8 @@
 two logical CPUs (TensorFlow), `keras.distribution.DataParallel` on two CPU
 devices (JAX)."""
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ from helpers import fit_both
 from helpers import iterations
 from helpers import max_weight_difference
 from helpers import mlp
+from helpers import numpy_of
 from helpers import regression_data
 from helpers import scalar_output_mlp
 from test_exactness import OPTIMIZERS
@@ -181,6 +184,108 @@ def test_masked_sequences_with_different_valid_counts_per_replica(
         accumulating.fit(x, y, batch_size=8, epochs=2, shuffle=False,
                          verbose=0)
     assert max_weight_difference(plain, accumulating) <= TOLERANCE
+
+
+def _batch_norm_cnn(model_class, **kwargs):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6, 6, 2))
+    hidden = keras.layers.Conv2D(4, 3, padding="same")(inputs)
+    hidden = keras.layers.BatchNormalization(momentum=0.8,
+                                             name="norm")(hidden)
+    hidden = keras.layers.ReLU()(hidden)
+    hidden = keras.layers.GlobalAveragePooling2D()(hidden)
+    return model_class(inputs, keras.layers.Dense(1)(hidden), **kwargs)
+
+
+def _batch_norm_on_masked_tokens(model_class, **kwargs):
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((7,), dtype="int32")
+    hidden = keras.layers.Embedding(20, 3, mask_zero=True)(inputs)
+    hidden = keras.layers.BatchNormalization(momentum=0.8,
+                                             name="norm")(hidden)
+    hidden = keras.layers.GlobalAveragePooling1D()(hidden)
+    return model_class(inputs, keras.layers.Dense(1)(hidden), **kwargs)
+
+
+def _images(samples):
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(samples, 6, 6, 2)) * 2.0 + 3.0).astype("float32")
+    return x, rng.normal(size=(samples, 1)).astype("float32")
+
+
+def _masked_tokens(samples):
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(1, 20, size=(samples, 7))
+    # The first half of each micro-batch long, the second short: each
+    # device's share has its own count of valid steps.
+    lengths = np.where(np.arange(samples) % 8 < 4, 7, 2)
+    tokens[np.arange(7)[None, :] >= lengths[:, None]] = 0
+    return tokens, rng.normal(size=(samples, 1)).astype("float32")
+
+
+@jax_only("each device's pass normalizes by the whole micro-batch's "
+          "moments, as Keras's DataParallel step does (under a "
+          "MirroredStrategy each replica normalizes by its own share's)")
+@pytest.mark.parametrize("build, data", [
+    (_batch_norm_cnn, _images),
+    (_batch_norm_on_masked_tokens, _masked_tokens)], ids=["images", "masked"])
+def test_batch_normalization_trains_under_two_replicas_as_on_one_device(
+        two_replicas, build, data):
+    # With a learning rate each micro-batch is normalized by its own
+    # moments, so the reference is the window on one device.
+    x, y = data(64)
+
+    def trained(strategy):
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            model = build(AccumulatingModel, n_gradients=4)
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+            model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                      verbose=0)
+        return model
+
+    one_device, two_devices = trained(None), trained(two_replicas)
+    assert iterations(two_devices) == 4
+    assert max_weight_difference(one_device, two_devices) <= TOLERANCE
+    norm = [two_devices.get_layer("norm"), one_device.get_layer("norm")]
+    for name in ("moving_mean", "moving_variance"):
+        moved, reference = (numpy_of(getattr(layer, name)) for layer in norm)
+        assert np.max(np.abs(moved - reference)) <= TOLERANCE
+
+
+@jax_only("keras.distribution.DataParallel runs one pass per device")
+def test_a_random_layer_draws_apart_on_each_device(two_replicas):
+    # Dropout(0.5) on ones, then w * h: a window of 4 samples moves w by a
+    # factor 1 - 2 * learning_rate * k, k the samples kept. Were both
+    # devices to draw the same mask for their shares, k would always be
+    # even.
+    learning_rate = 0.01
+
+    def build(model_class, **kwargs):
+        keras.utils.set_random_seed(7)
+        inputs = keras.Input((1,))
+        hidden = keras.layers.Dropout(0.5, name="dropout")(inputs)
+        outputs = keras.layers.Dense(1, use_bias=False,
+                                     kernel_initializer="ones")(hidden)
+        return model_class(inputs, outputs, **kwargs)
+
+    x, y = np.ones((4, 1), "float32"), np.zeros((4, 1), "float32")
+    with two_replicas.scope():
+        model = build(AccumulatingModel, n_gradients=2)
+        model.compile(optimizer=keras.optimizers.SGD(learning_rate),
+                      loss="mse")
+        generator = model.get_layer("dropout").seed_generator
+        seed = int(numpy_of(generator.state)[0])
+        kept = []
+        for _ in range(16):
+            before = float(model.get_weights()[0][0, 0])
+            model.train_on_batch(x[:2], y[:2])
+            model.train_on_batch(x[2:], y[2:])
+            after = float(model.get_weights()[0][0, 0])
+            kept.append(round((1 - after / before) / (2 * learning_rate)))
+    assert set(kept) <= {0, 1, 2, 3, 4}
+    assert any(count % 2 for count in kept), kept
+    # The seed moves on once per micro step, as in Keras's own step.
+    assert numpy_of(generator.state).tolist() == [seed, 32]
 
 
 def test_run_eagerly_under_two_replicas(two_replicas):

@@ -25,8 +25,9 @@ one program over the sharded micro-batch, as Keras's own. Under
 `ModelParallel` the window's gradient sums are laid out as their variables
 and XLA reduces the gradient across devices where it computes it, on every
 micro step. Under `DataParallel` each device adds its own share of the
-gradient to its own block of the sums (`per_device_gradients`), and the
-window's end reduces them once.
+gradient to its own block of the sums (`per_device_gradients`: the
+BatchNormalization moments combined across devices, a random stream per
+device), and the window's end reduces them once.
 
 BatchNormalization layers' moving statistics are pooled over the window
 (`stateless_normalization`). The open window is saved in Keras files, laid out
@@ -40,14 +41,17 @@ calls `stateless_accumulate_gradients` instead).
 Private Keras members used, checked on keras 3.15.1 with jax 0.10.2:
 `_get_jax_state`, `jax_state_sync`, `_jax_state`, `_jax_state_synced`,
 `stateless_call`, `stateless_compute_loss`, `_losses_override`,
-`_call_has_training_arg`, `_loss_tracker`, `_get_state_sharding_spec`.
+`_call_has_training_arg`, `_loss_tracker`, `_get_state_sharding_spec`,
+`Layer._seed_generators` (also on keras 3.10.0).
 """
 
+import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
 import keras
+from keras.src.backend.jax import random as jax_random
 
 from accum_model.core import divisor
 from accum_model.core.window import WindowState
@@ -57,6 +61,7 @@ from accum_model.keras3.jax_window import window_sharding as _window_sharding
 from accum_model.keras3.stateless_ops import KERAS_SHAPES
 from accum_model.keras3.jax_window import JaxAccumulation
 from accum_model.keras3.stateless_training import StatelessAdapter
+from accum_model.keras3.training import layers_of
 from accum_model.keras3.stateless_training import (
     has_default_micro_batch_weight)
 
@@ -78,9 +83,9 @@ def accumulating_train_step(model, state, data):
         return keras.StatelessScope(state_mapping=list(
             zip(model.optimizer.variables, optimizer_values)))
 
-    def forward(trainable, non_trainable, x):
+    def forward(trainable, non_trainable, x, combined_moments=None):
         kwargs = {"training": True} if model._call_has_training_arg else {}
-        with accumulation.statistics.recording() as records:
+        with accumulation.statistics.recording(combined_moments) as records:
             y_pred, new_non_trainable, layer_losses = model.stateless_call(
                 trainable, non_trainable, x, return_losses=True, **kwargs)
         moments = accumulation.statistics.moments_of(records)
@@ -179,12 +184,20 @@ def per_device_gradients(model, trainable, non_trainable, x, forward,
     them; and its gradient with respect to the predictions goes back
     through each device's own pass to that device's copy. The blocks sum
     to the whole batch's gradient, so the only gradient-sized reduction is
-    the window end's. That takes a forward pass whose samples do not meet
-    (settled as the window is built, `JaxAccumulation._samples_apart`, and
-    here): where a layer writes a variable (a random layer's seed), a layer
-    adds a loss of its activations, or the batch does not split evenly over
-    the devices, the step reduces the gradient as Keras's does and adds it
-    to the first device's block.
+    the window end's. Where samples meet in the pass:
+
+    - a pooled `BatchNormalization` normalizes by the whole micro-batch's
+      moments, combined from each device's (`whole_batch_moments`, a
+      reduction the size of its channels, and one in the backward pass);
+    - a random layer draws each device's share from its own stream (its
+      seed mixed with the device's index, `device_stream`), and its seed
+      moves on as in Keras's step.
+
+    Where the pass writes any other variable, draws from a fixed integer
+    seed, a layer adds a loss of its activations, or the batch does not
+    split evenly over the devices, the
+    step reduces the gradient as Keras's does and adds it to the first
+    device's block.
     """
     blocks = model._accumulation.blocks
     if blocks is None or any(
@@ -193,58 +206,133 @@ def per_device_gradients(model, trainable, non_trainable, x, forward,
         return None
     spec = jax.sharding.PartitionSpec(blocks.axis)
     unvarying = jax.sharding.PartitionSpec()
+    position = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+    streams = {position[id(generator.state)]
+               for layer in layers_of(model)
+               for generator in getattr(layer, "_seed_generators", ())
+               if id(generator.state) in position}
+    moving = {position[id(variable)]
+              for layer in model._accumulation.statistics.layers
+              for variable in (layer.moving_mean, layer.moving_variance)}
     separate = {"writes": False, "activity_losses": False}
 
     def own_forward(copies, non_trainable_values, x_shard):
         own = [copy[0] for copy in copies]
-        y_pred, new_non_trainable, layer_losses, _ = forward(
-            own, non_trainable_values, x_shard)
-        separate["writes"] = any(
-            new is not old for new, old in zip(new_non_trainable,
-                                               non_trainable_values))
+        device = jax.lax.axis_index(blocks.axis)
+        values = [device_stream(value, device) if index in streams
+                  else value
+                  for index, value in enumerate(non_trainable_values)]
+        with fixed_seed_draws() as fixed_seeds:
+            y_pred, new_values, layer_losses, moments = forward(
+                own, values, x_shard, whole_batch_moments(blocks.axis))
+        written = {index for index, (new, old) in enumerate(
+            zip(new_values, values)) if new is not old}
+        # A draw from a fixed seed would repeat on every device's share.
+        separate["writes"] = bool(written - streams - moving or fixed_seeds)
         # Keras lists the losses of the weights' regularizers last; any
         # before them were added in the pass (an activity regularizer).
         separate["activity_losses"] = len(layer_losses) > sum(
             getattr(v, "regularizer", None) is not None
             for v in model.trainable_weights)
-        # The loss reads the masks the layers attached to the predictions.
+        # The loss reads the masks the layers attached to the predictions;
+        # the first device's written values are those of Keras's step (its
+        # stream is the seed's own), and the moments are every device's.
         masks = jax.tree.map(losses.get_keras_mask, y_pred)
-        return (y_pred, masks), [jnp.reshape(value, (1,))
-                                 for value in layer_losses]
+        kept = {index: new_values[index][None] for index in written}
+        return ((y_pred, [jnp.reshape(value, (1,))
+                          for value in layer_losses]),
+                (masks, kept, jax.tree.map(jnp.asarray, moments)))
 
     def forward_on_copies(copies):
         return jax.shard_map(
             own_forward, mesh=blocks.mesh,
-            in_specs=(spec, unvarying, spec), out_specs=(spec, spec),
+            in_specs=(spec, unvarying, spec),
+            out_specs=((spec, spec), (spec, spec, unvarying)),
             # A layer's scan (an LSTM's) starts from a state made in the
             # pass, which JAX's check would count as the same on every
-            # device; the gradients taken are the copies' only.
+            # device; the gradients taken are the copies' only, and the
+            # moments are made the same on every device.
             check_vma=False)(
             copies, list(non_trainable), x)
 
     copies = [jax.lax.with_sharding_constraint(
         jnp.broadcast_to(value[None], (blocks.count,) + value.shape),
         blocks.sharding) for value in trainable]
-    ((y_pred, masks), layer_losses), pull_back = jax.vjp(
-        forward_on_copies, copies)
+    (y_pred, layer_losses), pull_back, (masks, kept, moments) = jax.vjp(
+        forward_on_copies, copies, has_aux=True)
     if separate["writes"] or separate["activity_losses"]:
         return None
+    new_non_trainable = list(non_trainable)
+    for index, values in kept.items():
+        new_non_trainable[index] = values[0]
 
     def loss_of_predictions(outputs):
         y_pred, layer_losses = outputs
         jax.tree.map(losses.set_keras_mask, y_pred, masks)
         # Each device's copy holds the same weights, so a weight's loss is
         # taken from the first.
-        return loss_of(trainable, (y_pred, list(non_trainable),
+        return loss_of(trainable, (y_pred, new_non_trainable,
                                    [value[0] for value in layer_losses],
-                                   None))
+                                   moments))
 
-    (_, aux), (prediction_cotangents, loss_cotangents) = jax.value_and_grad(
+    (_, aux), cotangents = jax.value_and_grad(
         loss_of_predictions, has_aux=True)((y_pred, layer_losses))
-    # The masks are not differentiated.
-    (gradients,) = pull_back(((prediction_cotangents, jax.tree.map(
-        jnp.zeros_like, masks)), loss_cotangents))
+    (gradients,) = pull_back(cotangents)
     return gradients, aux
+
+
+@contextlib.contextmanager
+def fixed_seed_draws():
+    """Records the integer seeds random ops draw from in a pass (Keras's
+    `draw_seed`, which its JAX random ops call by the name they imported,
+    private `keras.src.backend.jax.random.draw_seed`; keras 3.10.0 and
+    3.15.1). Yields the list they are appended to."""
+    original = jax_random.draw_seed
+    seeds = []
+
+    def recording(seed):
+        if isinstance(seed, int):
+            seeds.append(seed)
+        return original(seed)
+
+    jax_random.draw_seed = recording
+    try:
+        yield seeds
+    finally:
+        jax_random.draw_seed = original
+
+
+def device_stream(seed_state, device):
+    """A random layer's seed state (Keras's `SeedGenerator`: `[seed,
+    counter]`, uint32) as `device` draws from it: the first device's is
+    the seed's own, every other's seed is mixed with its index."""
+    mixed = seed_state.at[0].set(
+        seed_state[0] ^ (jnp.asarray(device, seed_state.dtype)
+                         * jnp.asarray(0x9E3779B9, seed_state.dtype)))
+    return jnp.where(device == 0, seed_state, mixed)
+
+
+def whole_batch_moments(axis):
+    """A function that makes a BatchNormalization call's moments over one
+    device's share of the batch, `(count, mean, variance)` per channel,
+    the whole batch's across the devices of `axis` (in a `shard_map`)."""
+
+    def combined(count, mean, variance):
+        dtype = mean.dtype
+        count = jnp.asarray(count, jnp.float32)
+        mean = mean.astype(jnp.float32)
+        variance = variance.astype(jnp.float32)
+        total, weighted = jax.lax.psum((count, count * mean), axis)
+        # Keras's mean of no elements is 0.
+        total_or_one = jnp.where(total > 0, total, 1.0)
+        whole_mean = weighted / total_or_one
+        whole_variance = jax.lax.psum(
+            count * (variance + jnp.square(mean - whole_mean)),
+            axis) / total_or_one
+        return (total, whole_mean.astype(dtype),
+                whole_variance.astype(dtype))
+
+    return combined
 
 
 def _train_step_of(model, state, data):

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec
 from accum_model.core import class_tree
 from accum_model.core.variables import is_overwritten_with_gradient
 from accum_model.keras3 import stateless_window
+from accum_model.keras3.normalization import pools_moving_statistics
 from accum_model.keras3.training import layers_of
 
 
@@ -108,15 +109,18 @@ class JaxAccumulation(stateless_window.StatelessAccumulation):
     def _samples_apart(self, model):
         """Whether each device's share of a micro-batch's gradient can be
         summed apart from the others' (see `jax_training.per_device_gradients`
-        for what is settled in the step): not where a layer pools the
-        batch's moments, the noise scale needs each micro-batch's whole
-        gradient, float16 sums could overflow apart where the whole would
-        not, a variable is overwritten rather than updated, or the model
-        computes its loss itself. (A layer of the user's own that mixes
-        samples sees each device's share, as under `MirroredStrategy`.)"""
+        for what is settled in the step): not where a BatchNormalization
+        layer takes its moments in a way of its own (the pooled ones are
+        combined across devices), the noise scale needs each micro-batch's
+        whole gradient, float16 sums could overflow apart where the whole
+        would not, a variable is overwritten rather than updated, or the
+        model computes its loss itself. (A layer of the user's own that
+        mixes samples sees each device's share, as under
+        `MirroredStrategy`.)"""
         return not (
             any(isinstance(layer, keras.layers.BatchNormalization)
-                and layer.trainable for layer in layers_of(model))
+                and layer.trainable and not pools_moving_statistics(layer)
+                for layer in layers_of(model))
             or self.settings.measure_noise_scale
             or self.settings.may_overflow
             or any(is_overwritten_with_gradient(v)

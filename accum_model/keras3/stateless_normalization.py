@@ -72,8 +72,15 @@ class PooledStatistics:
                 for _ in range(calls)]
 
     @contextlib.contextmanager
-    def recording(self):
+    def recording(self, combined=None):
         """Records each layer's training-mode moments in a forward pass.
+
+        Args:
+            combined: None, or where each device's pass sees its own share
+                of the batch, a function `(count, mean, variance) ->
+                (count, mean, variance)` that makes a call's moments the
+                whole batch's: the layer normalizes by them, and records
+                them.
 
         Yields:
             A list with one list per layer, to which each call appends
@@ -82,7 +89,7 @@ class PooledStatistics:
         records = [[] for _ in self.layers]
         for layer, calls in zip(self.layers, records):
             vars(layer)["_moments"] = _recording_moments(
-                layer, calls, self.element_counts)
+                layer, calls, self.element_counts, combined)
         try:
             yield records
         finally:
@@ -210,16 +217,20 @@ def unmasked_count(layer, inputs):
     return count
 
 
-def _recording_moments(layer, calls, element_counts):
+def _recording_moments(layer, calls, element_counts, combined):
     """`layer._moments` that appends what it returns, with
-    `element_counts(layer, inputs, mask)`, to `calls`."""
+    `element_counts(layer, inputs, mask)`, to `calls` (each made the whole
+    batch's by `combined`, where given)."""
     original = type(layer)._moments.__get__(layer)
 
     def moments(inputs, mask):
         mean, variance = original(inputs, mask)
         if is_symbolic_call():
             return mean, variance
-        calls.append((element_counts(layer, inputs, mask), mean, variance))
+        count = element_counts(layer, inputs, mask)
+        if combined is not None:
+            count, mean, variance = combined(count, mean, variance)
+        calls.append((count, mean, variance))
         return mean, variance
 
     return moments
