@@ -42,6 +42,17 @@ def conv_bn(model_class, momentum=0.9, synchronized=False, **kwargs):
     return model_class(inputs, keras.layers.Dense(1)(hidden), **kwargs)
 
 
+def masked_tokens_bn(model_class, **kwargs):
+    """Embedding(mask_zero), BatchNormalization, pooling, Dense."""
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((7,), dtype="int32")
+    hidden = keras.layers.Embedding(20, 3, mask_zero=True)(inputs)
+    hidden = keras.layers.BatchNormalization(momentum=0.8,
+                                             name="norm")(hidden)
+    hidden = keras.layers.GlobalAveragePooling1D()(hidden)
+    return model_class(inputs, keras.layers.Dense(1)(hidden), **kwargs)
+
+
 def image_data(samples=96, seed=0):
     rng = np.random.default_rng(seed)
     # Far from the initial moving mean, as real activations are.
@@ -153,18 +164,9 @@ def test_mask_excludes_padded_steps():
     tokens[np.arange(7)[None, :] >= lengths[:, None]] = 0
     y = rng.normal(size=(64, 1)).astype("float32")
 
-    def build(model_class, **kwargs):
-        keras.utils.set_random_seed(5)
-        inputs = keras.Input((7,), dtype="int32")
-        hidden = keras.layers.Embedding(20, 3, mask_zero=True)(inputs)
-        hidden = keras.layers.BatchNormalization(momentum=0.8,
-                                                 name="norm")(hidden)
-        hidden = keras.layers.GlobalAveragePooling1D()(hidden)
-        return model_class(inputs, keras.layers.Dense(1)(hidden), **kwargs)
-
-    plain, model = large_batch_and_window(build, tokens, y, 4, 4)
+    plain, model = large_batch_and_window(masked_tokens_bn, tokens, y, 4, 4)
     assert max_difference(statistics(plain), statistics(model)) <= TOLERANCE
-    unmasked = build(keras.Model)
+    unmasked = masked_tokens_bn(keras.Model)
     unmasked.get_layer("norm").supports_masking = False
     assert max_difference(statistics(plain), statistics(unmasked)) > 0
 

@@ -22,6 +22,9 @@ from helpers import mlp
 from helpers import numpy_of
 from helpers import regression_data
 from helpers import scalar_output_mlp
+from test_batch_normalization import conv_bn
+from test_batch_normalization import image_data
+from test_batch_normalization import masked_tokens_bn
 from test_exactness import OPTIMIZERS
 from test_exactness import _masked_lstm
 from test_exactness import _padded_sequences
@@ -186,33 +189,6 @@ def test_masked_sequences_with_different_valid_counts_per_replica(
     assert max_weight_difference(plain, accumulating) <= TOLERANCE
 
 
-def _batch_norm_cnn(model_class, **kwargs):
-    keras.utils.set_random_seed(3)
-    inputs = keras.Input((6, 6, 2))
-    hidden = keras.layers.Conv2D(4, 3, padding="same")(inputs)
-    hidden = keras.layers.BatchNormalization(momentum=0.8,
-                                             name="norm")(hidden)
-    hidden = keras.layers.ReLU()(hidden)
-    hidden = keras.layers.GlobalAveragePooling2D()(hidden)
-    return model_class(inputs, keras.layers.Dense(1)(hidden), **kwargs)
-
-
-def _batch_norm_on_masked_tokens(model_class, **kwargs):
-    keras.utils.set_random_seed(5)
-    inputs = keras.Input((7,), dtype="int32")
-    hidden = keras.layers.Embedding(20, 3, mask_zero=True)(inputs)
-    hidden = keras.layers.BatchNormalization(momentum=0.8,
-                                             name="norm")(hidden)
-    hidden = keras.layers.GlobalAveragePooling1D()(hidden)
-    return model_class(inputs, keras.layers.Dense(1)(hidden), **kwargs)
-
-
-def _images(samples):
-    rng = np.random.default_rng(0)
-    x = (rng.normal(size=(samples, 6, 6, 2)) * 2.0 + 3.0).astype("float32")
-    return x, rng.normal(size=(samples, 1)).astype("float32")
-
-
 def _masked_tokens(samples):
     rng = np.random.default_rng(1)
     tokens = rng.integers(1, 20, size=(samples, 7))
@@ -227,8 +203,8 @@ def _masked_tokens(samples):
           "moments, as Keras's DataParallel step does (under a "
           "MirroredStrategy each replica normalizes by its own share's)")
 @pytest.mark.parametrize("build, data", [
-    (_batch_norm_cnn, _images),
-    (_batch_norm_on_masked_tokens, _masked_tokens)], ids=["images", "masked"])
+    (conv_bn, image_data), (masked_tokens_bn, _masked_tokens)],
+    ids=["images", "masked"])
 def test_batch_normalization_trains_under_two_replicas_as_on_one_device(
         two_replicas, build, data):
     # With a learning rate each micro-batch is normalized by its own
