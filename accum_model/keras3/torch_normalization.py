@@ -43,13 +43,13 @@ class TorchPooledStatistics(PooledStatistics):
         self._records = None
 
     @contextlib.contextmanager
-    def recording(self):
+    def recording(self, combined=None):
         pinned = self.layers
         for layer in pinned:
             vars(layer)["_accum_momentum"] = layer.momentum
             vars(layer)["momentum"] = 1.0
         try:
-            with super().recording() as records:
+            with super().recording(combined) as records:
                 self._records = records
                 yield records
         finally:
