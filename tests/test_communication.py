@@ -169,7 +169,7 @@ def test_windows_carried_over_epochs_count_micro_steps_with_one_scalar(
 # Where each device's share of a micro-batch's gradient can be summed apart
 # from the others'; in the rest the samples meet in the micro step.
 SUMMED_APART = ("plain", "clipnorm", "global_clipnorm", "clipvalue",
-                "batch_statistics", "dropout")
+                "batch_statistics", "dropout", "activity_regularizer")
 
 
 def _dropout_mlp(model_class, **kwargs):
@@ -192,14 +192,17 @@ def _activity_regularized_mlp(model_class, **kwargs):
 
 @jax_only("keras.distribution.DataParallel")
 @pytest.mark.filterwarnings("ignore:BatchNormalization layers")
-@pytest.mark.parametrize("name", sorted({**CONFIGURATIONS, "dropout": None}))
+@pytest.mark.parametrize("name", sorted({**CONFIGURATIONS, "dropout": None,
+                                         "activity_regularizer": None}))
 def test_data_parallel_reduces_the_gradient_once_per_window(two_replicas,
                                                             name):
     if name == "float64_accumulators":
         pytest.skip("float64 on JAX needs jax_enable_x64, refused otherwise "
                     "(tests/test_backends.py)")
-    build, optimizer_keywords, model_keywords = (
-        (_dropout_mlp, {}, {}) if name == "dropout" else CONFIGURATIONS[name])
+    build, optimizer_keywords, model_keywords = {
+        "dropout": (_dropout_mlp, {}, {}),
+        "activity_regularizer": (_activity_regularized_mlp, {}, {}),
+    }.get(name) or CONFIGURATIONS[name]
     x, y = regression_data(samples=64)
     with two_replicas.scope():
         plain = build(keras.Model)
@@ -234,25 +237,34 @@ class _FixedNoise(keras.layers.Layer):
         return inputs + keras.random.normal(keras.ops.shape(inputs), seed=3)
 
 
-def _fixed_noise_mlp(model_class, **kwargs):
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((6,))
-    hidden = _FixedNoise()(keras.layers.Dense(8, activation="tanh")(inputs))
-    return model_class(inputs=inputs, outputs=keras.layers.Dense(3)(hidden),
-                       **kwargs)
+class _LargestActivation(keras.layers.Layer):
+    def call(self, inputs):
+        self.add_loss(keras.ops.max(inputs))
+        return inputs
+
+
+def _mlp_with(layer):
+    def build(model_class, **kwargs):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((6,))
+        hidden = layer()(keras.layers.Dense(8, activation="tanh")(inputs))
+        return model_class(inputs=inputs,
+                           outputs=keras.layers.Dense(3)(hidden), **kwargs)
+    return build
 
 
 @jax_only("keras.distribution.DataParallel")
-@pytest.mark.parametrize("build", [_activity_regularized_mlp,
-                                   _fixed_noise_mlp],
-                         ids=["activity_regularizer", "fixed_seed"])
+@pytest.mark.parametrize("build", [_mlp_with(_LargestActivation),
+                                   _mlp_with(_FixedNoise)],
+                         ids=["added_loss", "fixed_seed"])
 def test_data_parallel_passes_where_samples_meet_reduce_each_micro_step(
         two_replicas, build):
-    # A loss of the activations, or a draw from a fixed seed (the same
-    # numbers on every device's share), is known only as the step is
-    # traced: the window's sums are already one block per device, so the
-    # micro step reduces as plain Keras's and the window end sums the
-    # blocks.
+    # A loss a layer adds in its call (known only as a number, here the
+    # largest activation, which each device's share cannot give), or a
+    # draw from a fixed seed (the same numbers on every device's share), is
+    # known only as the step is traced: the window's sums are already one
+    # block per device, so the micro step reduces as plain Keras's and the
+    # window end sums the blocks.
     x, y = regression_data(samples=64)
     with two_replicas.scope():
         plain = build(keras.Model)

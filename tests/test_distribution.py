@@ -13,6 +13,7 @@ from backends import jax_only
 from backends import tensorflow_only
 
 from accum_model import AccumulatingModel
+from accum_model.keras3.losses import activity_penalty_is_a_mean
 from helpers import BatchMeanLoss
 from helpers import aligned_copy
 from helpers import fit_both
@@ -58,26 +59,13 @@ def _regularized_mlp(where):
     return build
 
 
-def _activity_penalty_is_a_mean():
-    """Whether this Keras divides an activity penalty by the batch size
-    (keras 3.15.1 does; 3.6.0 sums it over the batch, which micro-batches
-    cannot reproduce: README, "What is not exact")."""
-    layer = keras.layers.Dense(1, activity_regularizer="l2",
-                               kernel_initializer="ones")
-    penalties = []
-    for rows in (1, 2):
-        layer(np.ones((rows, 1), "float32"))
-        penalties.append(float(keras.ops.convert_to_numpy(layer.losses[0])))
-    return np.isclose(penalties[0], penalties[1])
-
-
 @pytest.mark.parametrize("where", ["kernel", "activity"])
 def test_regularized_layers_under_two_replicas_match_one_device(
         where, two_replicas):
     # On JAX each device's copy of a regularized weight has the same
-    # penalty, counted once; an activity penalty needs the whole batch's
-    # activations, and is summed as plain Keras's step sums it.
-    if where == "activity" and not _activity_penalty_is_a_mean():
+    # penalty, counted once; each device's share of an activity penalty
+    # adds up to the whole batch's, as plain Keras's step takes it.
+    if where == "activity" and not activity_penalty_is_a_mean():
         pytest.skip("this Keras sums an activity penalty over the batch")
     x, y = regression_data(samples=64)
     plain, accumulating = fit_both(

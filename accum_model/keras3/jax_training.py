@@ -191,11 +191,13 @@ def per_device_gradients(model, trainable, non_trainable, x, forward,
       reduction the size of its channels, and one in the backward pass);
     - a random layer draws each device's share from its own stream (its
       seed mixed with the device's index, `device_stream`), and its seed
-      moves on as in Keras's step.
+      moves on as in Keras's step;
+    - each device's share of an additive activity penalty is added up to
+      the whole batch's (`additive_activity_penalties`).
 
     Where the pass writes any other variable, draws from a fixed integer
-    seed, a layer adds a loss of its activations, or the batch does not
-    split evenly over the devices, the
+    seed, adds any other loss, or the batch does not split evenly over the
+    devices, the
     step reduces the gradient as Keras's does and adds it to the first
     device's block.
     """
@@ -214,7 +216,7 @@ def per_device_gradients(model, trainable, non_trainable, x, forward,
     moving = {position[id(variable)]
               for layer in model._accumulation.statistics.layers
               for variable in (layer.moving_mean, layer.moving_variance)}
-    separate = {"writes": False, "activity_losses": False}
+    separate = {"writes": False, "added_losses": 0, "other_losses": False}
 
     def own_forward(copies, non_trainable_values, x_shard):
         own = [copy[0] for copy in copies]
@@ -222,7 +224,8 @@ def per_device_gradients(model, trainable, non_trainable, x, forward,
         values = [device_stream(value, device) if index in streams
                   else value
                   for index, value in enumerate(non_trainable_values)]
-        with fixed_seed_draws() as fixed_seeds:
+        with fixed_seed_draws() as fixed_seeds, \
+                additive_activity_penalties(model) as penalties:
             y_pred, new_values, layer_losses, moments = forward(
                 own, values, x_shard, whole_batch_moments(blocks.axis))
         written = {index for index, (new, old) in enumerate(
@@ -230,10 +233,14 @@ def per_device_gradients(model, trainable, non_trainable, x, forward,
         # A draw from a fixed seed would repeat on every device's share.
         separate["writes"] = bool(written - streams - moving or fixed_seeds)
         # Keras lists the losses of the weights' regularizers last; any
-        # before them were added in the pass (an activity regularizer).
-        separate["activity_losses"] = len(layer_losses) > sum(
+        # before them were added in the pass. Each device's share of an
+        # additive activity penalty adds up to the whole batch's; any other
+        # loss added in the pass is known only as a number.
+        added = len(layer_losses) - sum(
             getattr(v, "regularizer", None) is not None
             for v in model.trainable_weights)
+        separate["added_losses"] = added
+        separate["other_losses"] = added != len(penalties)
         # The loss reads the masks the layers attached to the predictions;
         # the first device's written values are those of Keras's step (its
         # stream is the seed's own), and the moments are every device's.
@@ -260,8 +267,13 @@ def per_device_gradients(model, trainable, non_trainable, x, forward,
         blocks.sharding) for value in trainable]
     (y_pred, layer_losses), pull_back, (masks, kept, moments) = jax.vjp(
         forward_on_copies, copies, has_aux=True)
-    if separate["writes"] or separate["activity_losses"]:
+    if separate["writes"] or separate["other_losses"]:
         return None
+    # Keras divides an activity penalty by the batch (the device's share of
+    # it here), or sums it over the batch.
+    whole_penalty = (jnp.mean if model._accumulation.penalty_is_a_mean
+                     else jnp.sum)
+    added = separate["added_losses"]
     new_non_trainable = list(non_trainable)
     for index, values in kept.items():
         new_non_trainable[index] = values[0]
@@ -271,14 +283,50 @@ def per_device_gradients(model, trainable, non_trainable, x, forward,
         jax.tree.map(losses.set_keras_mask, y_pred, masks)
         # Each device's copy holds the same weights, so a weight's loss is
         # taken from the first.
-        return loss_of(trainable, (y_pred, new_non_trainable,
-                                   [value[0] for value in layer_losses],
-                                   moments))
+        return loss_of(trainable, (
+            y_pred, new_non_trainable,
+            [whole_penalty(value) if index < added else value[0]
+             for index, value in enumerate(layer_losses)],
+            moments))
 
     (_, aux), cotangents = jax.value_and_grad(
         loss_of_predictions, has_aux=True)((y_pred, layer_losses))
     (gradients,) = pull_back(cotangents)
     return gradients, aux
+
+
+# Activity regularizers whose penalty is a sum over the elements, so that
+# each device's share adds up to the whole batch's.
+_ADDITIVE = (keras.regularizers.L1, keras.regularizers.L2,
+             keras.regularizers.L1L2)
+
+
+@contextlib.contextmanager
+def additive_activity_penalties(model):
+    """Counts the penalties of Keras's additive activity regularizers (L1,
+    L2, L1L2, of a batch's outputs) that a pass adds to its layers'
+    losses. Yields the list each is appended to."""
+    layers = [layer for layer in layers_of(model)
+              if type(getattr(layer, "activity_regularizer", None))
+              in _ADDITIVE]
+    penalties = []
+
+    def counting(regularizer):
+        def penalty(output):
+            value = regularizer(output)
+            if jnp.ndim(output) > 0:
+                penalties.append(value)
+            return value
+        return penalty
+
+    originals = [layer.activity_regularizer for layer in layers]
+    for layer, regularizer in zip(layers, originals):
+        vars(layer)["activity_regularizer"] = counting(regularizer)
+    try:
+        yield penalties
+    finally:
+        for layer, regularizer in zip(layers, originals):
+            vars(layer)["activity_regularizer"] = regularizer
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec
 
 from accum_model.core import class_tree
 from accum_model.core.variables import is_overwritten_with_gradient
+from accum_model.keras3 import losses
 from accum_model.keras3 import stateless_window
 from accum_model.keras3.normalization import pools_moving_statistics
 from accum_model.keras3.training import layers_of
@@ -78,6 +79,9 @@ class JaxAccumulation(stateless_window.StatelessAccumulation):
         self.selects_outcomes = jax.default_backend() == "gpu"
         # The window's `DeviceBlocks` (settled as it is built), or None.
         self.blocks = None
+        # Whether Keras divides an activity penalty by the batch (settled
+        # with the blocks).
+        self.penalty_is_a_mean = True
 
     def _check_settings(self, settings):
         if (settings.accumulator_dtype == "float64"
@@ -104,6 +108,8 @@ class JaxAccumulation(stateless_window.StatelessAccumulation):
                 model.trainable_variables):
             self.blocks = (device_blocks() if self._samples_apart(model)
                            else None)
+            if self.blocks is not None:
+                self.penalty_is_a_mean = losses.activity_penalty_is_a_mean()
         super().build_window(model)
 
     def _samples_apart(self, model):

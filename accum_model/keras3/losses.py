@@ -6,9 +6,12 @@ exercise each function pass, `.ci/matrix`).
 """
 
 import contextlib
+import functools
 import inspect
 import sys
 
+import keras
+import numpy as np
 from keras import ops
 from keras.src.backend.common import masking
 from keras.src.losses import loss as keras_loss_module
@@ -20,6 +23,19 @@ from accum_model.core.patch import replaced
 # Reductions whose batch loss is one number a window can reproduce.
 LOSS_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight",
                    "sum")
+
+
+@functools.cache
+def activity_penalty_is_a_mean():
+    """Whether this Keras divides a layer's activity penalty by the batch
+    size (keras 3.15.1 does; 3.6.0 sums it over the batch). Call it
+    eagerly: it runs a layer."""
+    layer = keras.layers.Activation("linear", activity_regularizer="l2")
+    penalties = []
+    for rows in (1, 2):
+        layer(np.ones((rows, 1), "float32"))
+        penalties.append(float(ops.convert_to_numpy(layer.losses[0])))
+    return bool(np.isclose(penalties[0], penalties[1]))
 
 
 def get_keras_mask(tensor):
