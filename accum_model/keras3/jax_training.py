@@ -197,9 +197,8 @@ def per_device_gradients(model, trainable, non_trainable, x, forward,
 
     Where the pass writes any other variable, draws from a fixed integer
     seed, adds any other loss, or the batch does not split evenly over the
-    devices, the
-    step reduces the gradient as Keras's does and adds it to the first
-    device's block.
+    devices, the step reduces the gradient as Keras's does and adds it to
+    the first device's block.
     """
     blocks = model._accumulation.blocks
     if blocks is None or any(
