@@ -172,13 +172,14 @@ SUMMED_APART = ("plain", "clipnorm", "global_clipnorm", "clipvalue",
                 "batch_statistics", "dropout", "activity_regularizer")
 
 
-def _dropout_mlp(model_class, **kwargs):
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((6,))
-    hidden = keras.layers.Dropout(0.25)(
-        keras.layers.Dense(8, activation="tanh")(inputs))
-    return model_class(inputs=inputs, outputs=keras.layers.Dense(3)(hidden),
-                       **kwargs)
+def _mlp_with(layer):
+    def build(model_class, **kwargs):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((6,))
+        hidden = layer()(keras.layers.Dense(8, activation="tanh")(inputs))
+        return model_class(inputs=inputs,
+                           outputs=keras.layers.Dense(3)(hidden), **kwargs)
+    return build
 
 
 def _activity_regularized_mlp(model_class, **kwargs):
@@ -190,19 +191,24 @@ def _activity_regularized_mlp(model_class, **kwargs):
                        **kwargs)
 
 
+# The layers that keep the gradient apart on JAX, besides the configurations.
+DATA_PARALLEL_CONFIGURATIONS = {
+    **CONFIGURATIONS,
+    "dropout": (_mlp_with(lambda: keras.layers.Dropout(0.25)), {}, {}),
+    "activity_regularizer": (_activity_regularized_mlp, {}, {}),
+}
+
+
 @jax_only("keras.distribution.DataParallel")
 @pytest.mark.filterwarnings("ignore:BatchNormalization layers")
-@pytest.mark.parametrize("name", sorted({**CONFIGURATIONS, "dropout": None,
-                                         "activity_regularizer": None}))
+@pytest.mark.parametrize("name", sorted(DATA_PARALLEL_CONFIGURATIONS))
 def test_data_parallel_reduces_the_gradient_once_per_window(two_replicas,
                                                             name):
     if name == "float64_accumulators":
         pytest.skip("float64 on JAX needs jax_enable_x64, refused otherwise "
                     "(tests/test_backends.py)")
-    build, optimizer_keywords, model_keywords = {
-        "dropout": (_dropout_mlp, {}, {}),
-        "activity_regularizer": (_activity_regularized_mlp, {}, {}),
-    }.get(name) or CONFIGURATIONS[name]
+    build, optimizer_keywords, model_keywords = (
+        DATA_PARALLEL_CONFIGURATIONS[name])
     x, y = regression_data(samples=64)
     with two_replicas.scope():
         plain = build(keras.Model)
@@ -241,16 +247,6 @@ class _LargestActivation(keras.layers.Layer):
     def call(self, inputs):
         self.add_loss(keras.ops.max(inputs))
         return inputs
-
-
-def _mlp_with(layer):
-    def build(model_class, **kwargs):
-        keras.utils.set_random_seed(1)
-        inputs = keras.Input((6,))
-        hidden = layer()(keras.layers.Dense(8, activation="tanh")(inputs))
-        return model_class(inputs=inputs,
-                           outputs=keras.layers.Dense(3)(hidden), **kwargs)
-    return build
 
 
 @jax_only("keras.distribution.DataParallel")

@@ -212,9 +212,7 @@ def per_device_gradients(model, trainable, non_trainable, x, forward,
                for layer in layers_of(model)
                for generator in getattr(layer, "_seed_generators", ())
                if id(generator.state) in position}
-    moving = {position[id(variable)]
-              for layer in model._accumulation.statistics.layers
-              for variable in (layer.moving_mean, layer.moving_variance)}
+    moving = model._accumulation.statistics.moving_positions
     separate = {"writes": False, "added_losses": 0, "other_losses": False}
 
     def own_forward(copies, non_trainable_values, x_shard):

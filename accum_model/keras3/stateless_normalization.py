@@ -65,6 +65,12 @@ class PooledStatistics:
         self.pooled = [True] * len(self.layers)
         self._warned = False
 
+    @property
+    def moving_positions(self):
+        """The positions of the pooled layers' moving means and variances
+        among the model's non-trainable variables."""
+        return {index for pair in self._positions for index in pair}
+
     def empty_sums(self):
         """One float32 [3, channels] array of zeros per call of a layer."""
         return [ops.zeros([3, int(layer.moving_mean.shape[0])], "float32")
