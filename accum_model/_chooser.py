@@ -14,11 +14,11 @@ KERAS_MAJOR, BACKEND = check_stack()
 if KERAS_MAJOR == 2:
     from accum_model.keras2.adapter import Keras2Adapter as Adapter
 elif BACKEND == "jax":
-    from accum_model.keras3.jax_training import JaxAdapter as Adapter
+    from accum_model.keras3.jax_adapter import JaxAdapter as Adapter
 elif BACKEND == "torch":
-    from accum_model.keras3.torch_training import TorchAdapter as Adapter
+    from accum_model.keras3.torch_adapter import TorchAdapter as Adapter
 else:
-    from accum_model.keras3.tensorflow_training import (
+    from accum_model.keras3.tensorflow_adapter import (
         TensorFlowAdapter as Adapter)
 
 adapter = Adapter()

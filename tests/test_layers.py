@@ -268,6 +268,6 @@ def test_the_chooser_picks_one_adapter_per_keras_and_backend():
 def test_each_adapter_answers_what_the_layers_above_ask(adapter_class):
     asked = _asked_of("adapter", [m for m in MODULES if _floor(m) >= 3])
     if adapter_class in ("TensorFlowAdapter", "Keras2Adapter"):
-        asked |= _asked_of("details", ["accum_model.tensorflow.training"])
+        asked |= _asked_of("details", ["accum_model.tensorflow.train_step"])
     missing = asked - _offered_by(adapter_class)
     assert not missing, f"{adapter_class} lacks {sorted(missing)}"

@@ -3,9 +3,9 @@
 The public model, its checks and its callbacks are written once, against
 one `Adapter`. Each Keras and backend has a subclass, picked once by
 `accum_model._chooser` as Keras picks its trainer:
-`keras3.tensorflow_training.TensorFlowAdapter`,
-`keras3.jax_training.JaxAdapter` and `keras3.torch_training.TorchAdapter`
-(the last two through `keras3.stateless_training.StatelessAdapter`, all
+`keras3.tensorflow_adapter.TensorFlowAdapter`,
+`keras3.jax_adapter.JaxAdapter` and `keras3.torch_adapter.TorchAdapter`
+(the last two through `keras3.stateless_adapter.StatelessAdapter`, all
 three through `keras3.adapter.Keras3Adapter`), and
 `keras2.adapter.Keras2Adapter`. The defaults here hold for a loop that runs
 one program per step and stops before a step when the data runs out.

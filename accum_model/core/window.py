@@ -129,7 +129,8 @@ def empty_state(shapes, accumulator_dtype, overwrite, length, ops,
     )
 
 
-def added(config, state, gradients, weight, loss, samples, ops, counts=True):
+def micro_batch_added(config, state, gradients, weight, loss, samples, ops,
+                      counts=True):
     """The window with one more micro-batch in it.
 
     Args:

@@ -14,9 +14,9 @@ from accum_model.keras2 import losses
 from accum_model.keras2 import normalization
 from accum_model.keras2 import optimizer
 from accum_model.keras2 import saving
-from accum_model.keras2 import training
+from accum_model.keras2 import loop
 from accum_model.keras2.package import keras
-from accum_model.tensorflow import training as tf_training
+from accum_model.tensorflow import train_step as tf_step
 from accum_model.tensorflow.accumulation import TensorFlowAccumulation
 
 
@@ -27,7 +27,7 @@ class Keras2Adapter(Adapter):
     Functional = saving.Functional
     Accumulation = TensorFlowAccumulation
     LossScaling = optimizer.Keras2LossScaling
-    ModelDifferences = training.Keras2ModelDifferences
+    ModelDifferences = loop.Keras2ModelDifferences
     WindowCheckpoint = saving.Keras2WindowCheckpoint
     LOSS_REDUCTIONS = losses.LOSS_REDUCTIONS
     END_OF_DATA_ERRORS = (StopIteration, tf.errors.OutOfRangeError)
@@ -57,18 +57,18 @@ class Keras2Adapter(Adapter):
     register_plain_name = staticmethod(saving.register_plain_name)
     serialize_as = staticmethod(saving.serialize_as)
     wrap_sequential_cloning = staticmethod(saving.wrap_sequential_cloning)
-    check_strategy = staticmethod(training.check_strategy)
+    check_strategy = staticmethod(loop.check_strategy)
     foreign_variables_in_graph = staticmethod(
-        training.foreign_variables_in_graph)
-    is_foreign_layer = staticmethod(training.is_foreign_layer)
-    layers_of = staticmethod(training.layers_of)
-    micro_steps_in_epoch = staticmethod(training.micro_steps_in_epoch)
-    model_keyword_arguments = staticmethod(training.model_keyword_arguments)
-    steps_per_execution = staticmethod(training.steps_per_execution)
-    replicas_in_sync = staticmethod(tf_training.replicas_in_sync)
-    accumulate_gradients = staticmethod(tf_training.accumulate_gradients)
+        loop.foreign_variables_in_graph)
+    is_foreign_layer = staticmethod(loop.is_foreign_layer)
+    layers_of = staticmethod(loop.layers_of)
+    micro_steps_in_epoch = staticmethod(loop.micro_steps_in_epoch)
+    model_keyword_arguments = staticmethod(loop.model_keyword_arguments)
+    steps_per_execution = staticmethod(loop.steps_per_execution)
+    replicas_in_sync = staticmethod(tf_step.replicas_in_sync)
+    accumulate_gradients = staticmethod(tf_step.accumulate_gradients)
     stateless_accumulate_gradients = staticmethod(
-        tf_training.stateless_accumulate_gradients)
+        tf_step.stateless_accumulate_gradients)
 
     @staticmethod
     def logs_for_reduction(logs, strategy):
@@ -77,8 +77,8 @@ class Keras2Adapter(Adapter):
         return logs
 
     def accumulating_train_step(self, model, data):
-        return tf_training.train_step(model, data, details=self)
+        return tf_step.train_step(model, data, details=self)
 
     def default_micro_batch_weight(self, model, x, y_pred):
-        return tf_training.default_micro_batch_weight(model, x, y_pred,
+        return tf_step.default_micro_batch_weight(model, x, y_pred,
                                                       details=self)

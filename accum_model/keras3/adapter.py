@@ -1,8 +1,8 @@
 """`Keras3Adapter`: what Keras 3 answers alike on every backend.
 
 Each backend's subclass adds its training step and window
-(`tensorflow_training.TensorFlowAdapter`, `jax_training.JaxAdapter`,
-`torch_training.TorchAdapter`); each module named here says which Keras 3
+(`tensorflow_adapter.TensorFlowAdapter`, `jax_adapter.JaxAdapter`,
+`torch_adapter.TorchAdapter`); each module named here says which Keras 3
 versions its private details were checked on.
 """
 
@@ -15,7 +15,7 @@ from accum_model.keras3 import losses
 from accum_model.keras3 import normalization
 from accum_model.keras3 import optimizer
 from accum_model.keras3 import saving
-from accum_model.keras3 import training
+from accum_model.keras3 import loop
 
 
 class Keras3Adapter(Adapter):
@@ -45,7 +45,7 @@ class Keras3Adapter(Adapter):
     register_plain_name = staticmethod(saving.register_plain_name)
     serialize_as = staticmethod(saving.serialize_as)
     wrap_sequential_cloning = staticmethod(saving.wrap_sequential_cloning)
-    layers_of = staticmethod(training.layers_of)
-    micro_steps_in_epoch = staticmethod(training.micro_steps_in_epoch)
-    model_keyword_arguments = staticmethod(training.model_keyword_arguments)
-    steps_per_execution = staticmethod(training.steps_per_execution)
+    layers_of = staticmethod(loop.layers_of)
+    micro_steps_in_epoch = staticmethod(loop.micro_steps_in_epoch)
+    model_keyword_arguments = staticmethod(loop.model_keyword_arguments)
+    steps_per_execution = staticmethod(loop.steps_per_execution)

@@ -1,7 +1,7 @@
 """Keras 3 on JAX: what only JAX's window has.
 
 The window itself is `stateless_window`'s, run inside Keras's jitted step
-(see `jax_training`). Here: its layout under `keras.distribution`, the
+(see `jax_adapter`). Here: its layout under `keras.distribution`, the
 jitted end of a window left open at an epoch's end, 64-bit accumulators
 only in JAX's 64-bit mode, and the update signal read from Keras's JAX
 state. Checked on keras 3.10.0 and 3.15.1 with jax 0.10.2.
@@ -25,7 +25,7 @@ from accum_model.core.variables import is_overwritten_with_gradient
 from accum_model.keras3 import losses
 from accum_model.keras3 import stateless_window
 from accum_model.keras3.normalization import pools_moving_statistics
-from accum_model.keras3.training import layers_of
+from accum_model.keras3.loop import layers_of
 
 
 class DeviceBlocks(typing.NamedTuple):
@@ -114,7 +114,7 @@ class JaxAccumulation(stateless_window.StatelessAccumulation):
 
     def _samples_apart(self, model):
         """Whether each device's share of a micro-batch's gradient can be
-        summed apart from the others' (see `jax_training.per_device_gradients`
+        summed apart from the others' (see `jax_adapter.per_device_gradients`
         for what is settled in the step): not where a BatchNormalization
         layer takes its moments in a way of its own (the pooled ones are
         combined across devices), the noise scale needs each micro-batch's

@@ -33,8 +33,8 @@ from accum_model.core import arithmetic
 from accum_model.keras3.stateless_ops import KERAS_OPS
 from accum_model.keras3.normalization import is_symbolic_call
 from accum_model.keras3.normalization import pools_moving_statistics
-from accum_model.keras3.training import calls_in_graph
-from accum_model.keras3.training import layers_of
+from accum_model.keras3.loop import calls_in_graph
+from accum_model.keras3.loop import layers_of
 
 class PooledStatistics:
     """The layers of a model whose moving statistics a window pools.
@@ -156,7 +156,7 @@ class PooledStatistics:
                 new_values[variance_at] = old_values[variance_at]
         return new_values
 
-    def added(self, sums, moments, non_trainable):
+    def micro_batch_added(self, sums, moments, non_trainable):
         """The window's sums with a micro-batch's moments added."""
         added = list(sums)
         for first, recorded, (mean_at, _) in zip(self._first, moments,

@@ -2,8 +2,8 @@
 
 The window's state and transitions are `accum_model.core.window`'s, run
 with `keras.ops`: JAX runs them inside its jitted training step (the
-state rides in Keras's JAX state, see `jax_training`), PyTorch eagerly
-(see `torch_training`). `add_micro_batch` adds a micro-batch;
+state rides in Keras's JAX state, see `jax_adapter`), PyTorch eagerly
+(see `torch_adapter`). `add_micro_batch` adds a micro-batch;
 `end_window` applies the window with the optimizer's own
 `stateless_apply`, or skips it on overflow, in the step or at an epoch's
 end. Its file layout is `core.checkpoint_layout`'s, as on TensorFlow.
@@ -343,11 +343,12 @@ def add_micro_batch(accumulation, trainable, optimizer_values, window,
         window = core_window.counters_added(config, window, None, weight,
                                             loss, samples, KERAS_OPS)
     else:
-        window = core_window.added(config, window, gradients, weight, loss,
-                                   samples, KERAS_OPS)
+        window = core_window.micro_batch_added(
+            config, window, gradients, weight, loss, samples, KERAS_OPS)
     if moments is not None:
-        window = window._replace(statistics_sums=accumulation.statistics.added(
-            window.statistics_sums, moments, non_trainable))
+        window = window._replace(
+            statistics_sums=accumulation.statistics.micro_batch_added(
+                window.statistics_sums, moments, non_trainable))
     ends = accumulation._settled(core_window.ends(window))
     # Read only where the window ends (known here where the step runs
     # eagerly).

@@ -64,7 +64,7 @@ class TorchPooledStatistics(PooledStatistics):
         return super().element_counts(layer, inputs, mask)
 
     def detached(self, value):
-        # Read only under torch.no_grad() (see `added`).
+        # Read only under torch.no_grad() (see `micro_batch_added`).
         return value
 
     def move_unpooled(self, model):
@@ -87,7 +87,7 @@ class TorchPooledStatistics(PooledStatistics):
                         moving.assign(old * momentum
                                       + value * (1.0 - momentum))
 
-    def added(self, sums, moments, non_trainable):
+    def micro_batch_added(self, sums, moments, non_trainable):
         entries = [
             (index, count, mean, variance, non_trainable[mean_at])
             for first, recorded, (mean_at, _) in zip(
@@ -99,7 +99,7 @@ class TorchPooledStatistics(PooledStatistics):
                 and variance.dtype == torch.float32
                 and shift.dtype == torch.float32
                 for _, count, mean, variance, shift in entries):
-            return super().added(sums, [
+            return super().micro_batch_added(sums, [
                 None if recorded is None else [
                     (ops.full(ops.shape(mean), count, "float32")
                      if isinstance(count, float) else count, mean, variance)

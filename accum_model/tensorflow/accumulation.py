@@ -237,7 +237,7 @@ class TensorFlowAccumulation(WindowLifecycle):
             window.start_epoch(self._epoch_steps, new_epoch=epoch is not None)
             window.set_length(self.window_length())
 
-    def add_micro_step(self, gradients, weight, batch_size,
+    def add_micro_batch(self, gradients, weight, batch_size,
                        divide_by_weight=True, loss=None, statistics=()):
         """Adds one micro-batch's gradients; ends the window when due.
 
@@ -268,8 +268,8 @@ class TensorFlowAccumulation(WindowLifecycle):
             samples, window.strategy,
             exact=not self.settings.flush_each_epoch,
         )
-        added = window.add(gradients, weight, samples, has_data, loss,
-                           statistics)
+        added = window.add_micro_batch(gradients, weight, samples, has_data,
+                                       loss, statistics)
         self.window_end.end_if(tf.logical_and(has_data,
                                               core_window.ends(added)))
 

@@ -133,7 +133,7 @@ class WindowStatistics:
         """`saved_sums()`'s layout back as one array shaped like `sums`."""
         return np.concatenate(per_call, axis=1)
 
-    def add(self, recorded):
+    def add_micro_batch(self, recorded):
         """Adds a micro-batch's statistics (replica context).
 
         Args:

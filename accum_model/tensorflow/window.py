@@ -183,7 +183,7 @@ class GradientWindow:
         old = self.state(gradient_sums=[])
         self.write(transition(old), old, everywhere)
 
-    def add(self, gradients, weight, samples, counts, loss=None,
+    def add_micro_batch(self, gradients, weight, samples, counts, loss=None,
             statistics=()):
         """Adds a micro step to the window (replica context).
 
@@ -241,7 +241,7 @@ class GradientWindow:
                 new = core_window.noise_added(config, new, gradients, weight,
                                               samples, TF_OPS)
         self.write(new, old)
-        self.statistics.add(statistics)
+        self.statistics.add_micro_batch(statistics)
         return new
 
     def set_length(self, length):

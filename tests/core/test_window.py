@@ -29,10 +29,10 @@ def _gradients(seed):
 
 
 def _add(state, seed, weight, loss=1.0, samples=None, config=None):
-    return window.added(config or _config(), state, _gradients(seed),
-                        np.float32(weight), np.float32(loss),
-                        np.float32(weight if samples is None else samples),
-                        OPS)
+    return window.micro_batch_added(
+        config or _config(), state, _gradients(seed), np.float32(weight),
+        np.float32(loss), np.float32(weight if samples is None else samples),
+        OPS)
 
 
 def _mean(config, state):
@@ -93,9 +93,9 @@ def test_micro_batches_weighted_by_size_give_the_large_batch_gradient():
     state = window.empty_state([(3, 2)], "float64", (False,), 3, OPS)
     for start, stop in ((0, 5), (5, 10), (10, 12)):
         gradient = _linear_gradient(w, x[start:stop], y[start:stop])
-        state = window.added(config, state, [gradient],
-                             np.float32(stop - start), np.float32(0.0),
-                             np.float32(stop - start), OPS)
+        state = window.micro_batch_added(
+            config, state, [gradient], np.float32(stop - start),
+            np.float32(0.0), np.float32(stop - start), OPS)
     (mean,) = window.mean_gradients(config, state, ["float64"], OPS)
     np.testing.assert_allclose(mean, _linear_gradient(w, x, y), rtol=1e-6)
 
@@ -142,16 +142,16 @@ def test_the_window_loss_is_the_weighted_mean_of_its_micro_batches():
 def test_variables_keras_overwrites_keep_the_largest_value():
     config = window.WindowConfig(overwrite=(True, False))
     state = _state(overwrite=(True, False))
-    state = window.added(config, state, [np.full((3, 2), -5.0, "float32"),
-                                         np.ones(2, "float32")],
-                         np.float32(4.0), np.float32(0.0), np.float32(4.0),
-                         OPS)
+    state = window.micro_batch_added(
+        config, state,
+        [np.full((3, 2), -5.0, "float32"), np.ones(2, "float32")],
+        np.float32(4.0), np.float32(0.0), np.float32(4.0), OPS)
     # The first micro-batch's value is taken even below zero.
     assert np.all(state.gradient_sums[0] == -5.0)
-    state = window.added(config, state, [np.full((3, 2), -7.0, "float32"),
-                                         np.ones(2, "float32")],
-                         np.float32(4.0), np.float32(0.0), np.float32(4.0),
-                         OPS)
+    state = window.micro_batch_added(
+        config, state,
+        [np.full((3, 2), -7.0, "float32"), np.ones(2, "float32")],
+        np.float32(4.0), np.float32(0.0), np.float32(4.0), OPS)
     assert np.all(state.gradient_sums[0] == -5.0)
     kept, summed = _mean(config, state)
     assert np.all(kept == -5.0) and np.allclose(summed, 1.0)
@@ -168,8 +168,9 @@ def test_float64_accumulators_sum_in_float64():
     tiny = [np.full(shape, 1e-9, "float32") for shape in SHAPES]
     big = [np.full(shape, 1.0, "float32") for shape in SHAPES]
     for gradients in (big, tiny):
-        state = window.added(_config(), state, gradients, np.float32(1.0),
-                             np.float32(0.0), np.float32(1.0), OPS)
+        state = window.micro_batch_added(
+            _config(), state, gradients, np.float32(1.0), np.float32(0.0),
+            np.float32(1.0), OPS)
     assert state.gradient_sums[0].dtype == np.float64
     # 1 + 1e-9 is 1 in float32.
     assert state.gradient_sums[0][0, 0] > 1.0
@@ -397,14 +398,14 @@ def test_statistics_of_a_file_without_the_layout_version_keep_its_order():
 
 def test_a_step_that_does_not_count_moves_no_counter():
     state = _state(length=2, steps_left_in_epoch=5)
-    after = window.added(_config(), state, _gradients(0), np.float32(0.0),
-                         np.float32(0.0), np.float32(0.0), OPS,
-                         counts=np.bool_(False))
+    after = window.micro_batch_added(
+        _config(), state, _gradients(0), np.float32(0.0), np.float32(0.0),
+        np.float32(0.0), OPS, counts=np.bool_(False))
     assert int(after.micro_steps) == 0
     assert int(after.steps_left_in_epoch) == 5
-    counted = window.added(_config(), state, _gradients(0), np.float32(2.0),
-                           np.float32(1.0), np.float32(2.0), OPS,
-                           counts=np.bool_(True))
+    counted = window.micro_batch_added(
+        _config(), state, _gradients(0), np.float32(2.0), np.float32(1.0),
+        np.float32(2.0), OPS, counts=np.bool_(True))
     assert int(counted.micro_steps) == 1
     assert int(counted.steps_left_in_epoch) == 4
 
@@ -412,8 +413,9 @@ def test_a_step_that_does_not_count_moves_no_counter():
 def test_a_missing_gradient_or_loss_leaves_its_sum_as_it_was():
     state = _add(_state(), 1, weight=2.0, loss=3.0)
     gradients = _gradients(2)
-    after = window.added(_config(), state, [None, gradients[1]],
-                         np.float32(1.0), None, np.float32(1.0), OPS)
+    after = window.micro_batch_added(
+        _config(), state, [None, gradients[1]], np.float32(1.0), None,
+        np.float32(1.0), OPS)
     np.testing.assert_array_equal(after.gradient_sums[0],
                                   state.gradient_sums[0])
     np.testing.assert_allclose(after.gradient_sums[1],
@@ -434,16 +436,18 @@ def test_an_emptied_window_may_keep_its_last_sums_and_they_never_count():
     assert all(np.all(s == 0)
                for s in window.counted_gradient_sums(left, OPS))
     gradients = _gradients(2)
-    after = window.added(config, left, gradients, np.float32(3.0),
-                         np.float32(1.0), np.float32(3.0), OPS)
-    fresh = window.added(config, window.reset(full, OPS), gradients,
-                         np.float32(3.0), np.float32(1.0), np.float32(3.0),
-                         OPS)
+    after = window.micro_batch_added(
+        config, left, gradients, np.float32(3.0), np.float32(1.0),
+        np.float32(3.0), OPS)
+    fresh = window.micro_batch_added(
+        config, window.reset(full, OPS), gradients, np.float32(3.0),
+        np.float32(1.0), np.float32(3.0), OPS)
     for got, want in zip(after.gradient_sums, fresh.gradient_sums):
         np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(after.gradient_sums[1], gradients[1] * 3)
-    missing = window.added(config, left, [None, None], np.float32(1.0),
-                           np.float32(1.0), np.float32(1.0), OPS)
+    missing = window.micro_batch_added(
+        config, left, [None, None], np.float32(1.0), np.float32(1.0),
+        np.float32(1.0), OPS)
     assert all(np.all(s == 0) for s in missing.gradient_sums)
     for got, want in zip(window.counted_gradient_sums(after, OPS),
                          after.gradient_sums):
@@ -469,8 +473,8 @@ def test_float64_sums_are_weighted_and_divided_in_float64():
     state = _state(dtype="float64")
     gradient = [np.full(shape, 1.0 / 3.0, np.float32) for shape in SHAPES]
     weight = np.float32(3.0)
-    state = window.added(config, state, gradient, weight, np.float32(0.0),
-                         weight, OPS)
+    state = window.micro_batch_added(
+        config, state, gradient, weight, np.float32(0.0), weight, OPS)
     assert state.gradient_sums[0].dtype == np.float64
     mean = window.mean_gradients(config, state, ["float64"] * 2, OPS)
     np.testing.assert_array_equal(mean[0], np.float64(np.float32(1 / 3)))
@@ -481,10 +485,12 @@ def test_a_backends_own_squared_norm_counts_in_the_noise_sums():
     doubled = OPS._replace(
         squared_norm=lambda a: 2.0 * np.sum(np.square(a)).astype("float32"))
     gradients = _gradients(3)
-    plain = window.added(config, _state(), gradients, np.float32(1.0),
-                         np.float32(0.0), np.float32(1.0), OPS)
-    own = window.added(config, _state(), gradients, np.float32(1.0),
-                       np.float32(0.0), np.float32(1.0), doubled)
+    plain = window.micro_batch_added(
+        config, _state(), gradients, np.float32(1.0), np.float32(0.0),
+        np.float32(1.0), OPS)
+    own = window.micro_batch_added(
+        config, _state(), gradients, np.float32(1.0), np.float32(0.0),
+        np.float32(1.0), doubled)
     assert float(own.noise_squared_norm_sum) == pytest.approx(
         2.0 * float(plain.noise_squared_norm_sum))
 

@@ -27,8 +27,8 @@ from accum_model.keras3 import tensorflow_normalization as normalization
 from accum_model.keras3.adapter import Keras3Adapter
 from accum_model.keras3.tensorflow_optimizer import TensorFlowLossScaling
 from accum_model.keras3.saving import InKerasFiles
-from accum_model.keras3.training import layers_of
-from accum_model.tensorflow import training as tf_training
+from accum_model.keras3.loop import layers_of
+from accum_model.tensorflow import train_step as tf_step
 from accum_model.tensorflow.accumulation import TensorFlowAccumulation
 from accum_model.tensorflow.checkpoint import TensorFlowWindowCheckpoint
 from accum_model.tensorflow.ops import TF_SHAPES
@@ -193,10 +193,10 @@ class TensorFlowAdapter(Keras3Adapter):
         executions_stop_cleanly_at_end_of_data)
     logs_for_reduction = staticmethod(logs_for_reduction)
     is_foreign_layer = staticmethod(is_foreign_layer)
-    replicas_in_sync = staticmethod(tf_training.replicas_in_sync)
-    accumulate_gradients = staticmethod(tf_training.accumulate_gradients)
+    replicas_in_sync = staticmethod(tf_step.replicas_in_sync)
+    accumulate_gradients = staticmethod(tf_step.accumulate_gradients)
     stateless_accumulate_gradients = staticmethod(
-        tf_training.stateless_accumulate_gradients)
+        tf_step.stateless_accumulate_gradients)
 
     @staticmethod
     def recording_loss_reductions():
@@ -205,11 +205,11 @@ class TensorFlowAdapter(Keras3Adapter):
     @staticmethod
     def check_strategy(model):
         """Refuses strategies whose variables live off-replica."""
-        tf_training.check_strategy(model.distribute_strategy)
+        tf_step.check_strategy(model.distribute_strategy)
 
     def accumulating_train_step(self, model, data):
-        return tf_training.train_step(model, data, details=self)
+        return tf_step.train_step(model, data, details=self)
 
     def default_micro_batch_weight(self, model, x, y_pred):
-        return tf_training.default_micro_batch_weight(model, x, y_pred,
+        return tf_step.default_micro_batch_weight(model, x, y_pred,
                                                       details=self)

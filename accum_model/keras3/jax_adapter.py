@@ -60,9 +60,9 @@ from accum_model.keras3 import stateless_window
 from accum_model.keras3.jax_window import window_sharding as _window_sharding
 from accum_model.keras3.stateless_ops import KERAS_SHAPES
 from accum_model.keras3.jax_window import JaxAccumulation
-from accum_model.keras3.stateless_training import StatelessAdapter
-from accum_model.keras3.training import layers_of
-from accum_model.keras3.stateless_training import (
+from accum_model.keras3.stateless_adapter import StatelessAdapter
+from accum_model.keras3.loop import layers_of
+from accum_model.keras3.stateless_adapter import (
     has_default_micro_batch_weight)
 
 
@@ -538,10 +538,11 @@ def stateless_accumulate_gradients(model, optimizer_variables, gradients,
     accumulation.divide_by_weight = True
     weight = jnp.asarray(weight, jnp.float32)
     gradients = [accumulation.spread(g) for g in gradients]
-    add = stateless_window.add_micro_batch
-    trainable, _, optimizer_values, window, *_ = add(
-        accumulation, list(trainable_variables), optimizer_variables[:-1],
-        window, gradients, weight, jnp.asarray(0.0, jnp.float32), weight)
+    trainable, _, optimizer_values, window, *_ = (
+        stateless_window.add_micro_batch(
+            accumulation, list(trainable_variables),
+            optimizer_variables[:-1], window, gradients, weight,
+            jnp.asarray(0.0, jnp.float32), weight))
     return trainable, optimizer_values + [window]
 
 

@@ -73,7 +73,7 @@ def train_step(model, data, details):
     divisor.warn_if_activity_penalty_is_masked(
         model, y_pred, details.get_keras_mask, TF_SHAPES)
     # The loss in logs is the window's, logged once when it ends.
-    accumulation.add_micro_step(gradients, weight, batch_size,
+    accumulation.add_micro_batch(gradients, weight, batch_size,
                                 divide_by_weight=not summed, loss=loss,
                                 statistics=statistics)
     logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -118,7 +118,7 @@ def accumulate_gradients(model, gradients, weight, batch_size=None):
     weight = tf.cast(weight, tf.float32)
     if batch_size is None:
         batch_size = tf.constant(1)
-    accumulation.add_micro_step(list(gradients), weight, batch_size)
+    accumulation.add_micro_batch(list(gradients), weight, batch_size)
 
 
 def stateless_accumulate_gradients(model, optimizer_variables, gradients,

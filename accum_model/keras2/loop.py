@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from accum_model.core.messages import window_is_open
 from accum_model.keras2.package import keras
-from accum_model.tensorflow import training as tf_training
+from accum_model.tensorflow import train_step as tf_step
 
 
 class Keras2ModelDifferences:
@@ -49,7 +49,7 @@ def _warn_if_window_is_left_out(model, kind):
 def check_strategy(model):
     """Refuses the strategies the Keras 2 adapter was not checked under."""
     strategy = model.distribute_strategy
-    tf_training.check_strategy(strategy)
+    tf_step.check_strategy(strategy)
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         raise ValueError(
             "AccumulatingModel on Keras 2 supports the default strategy, "

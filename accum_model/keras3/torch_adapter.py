@@ -48,8 +48,8 @@ from accum_model.keras3 import losses
 from accum_model.keras3 import stateless_window
 from accum_model.keras3.stateless_ops import KERAS_OPS
 from accum_model.keras3.stateless_ops import KERAS_SHAPES
-from accum_model.keras3.stateless_training import StatelessAdapter
-from accum_model.keras3.stateless_training import (
+from accum_model.keras3.stateless_adapter import StatelessAdapter
+from accum_model.keras3.stateless_adapter import (
     has_default_micro_batch_weight)
 from accum_model.keras3.torch_normalization import TorchPooledStatistics
 
@@ -213,7 +213,8 @@ class TorchAccumulation(stateless_window.StatelessAccumulation):
     def _tracks_loss(self):
         return self.tracks_loss
 
-    def add(self, model, gradients, weight, loss, samples, moments=None):
+    def add_micro_batch(self, model, gradients, weight, loss, samples,
+                        moments=None):
         """Adds a micro-batch's unscaled gradients to the window and applies
         it when due, writing the new values into the variables; returns
         whether the window ended, its loss and its samples."""
@@ -334,7 +335,7 @@ def accumulating_train_step(model, data):
         gradients = model.get_unscaled_gradients(
             [v.value.grad for v in variables])
     samples = ops.cast(divisor.batch_size(x, KERAS_SHAPES), "float32")
-    ends, window_loss, window_samples = accumulation.add(
+    ends, window_loss, window_samples = accumulation.add_micro_batch(
         model, gradients, weight, ops.stop_gradient(loss), samples,
         moments if statistics.layers else None)
     accumulation._traced_window = None
@@ -400,9 +401,10 @@ def accumulate_gradients(model, gradients, weight, batch_size=None):
     accumulation.divide_by_weight = True
     accumulation.tracks_loss = False
     accumulation._move_sums_to_state()
-    accumulation.add(model, [None if g is None else ops.stop_gradient(g)
-                             for g in gradients],
-                     weight, ops.zeros((), "float32"), samples)
+    accumulation.add_micro_batch(
+        model, [None if g is None else ops.stop_gradient(g)
+                for g in gradients],
+        weight, ops.zeros((), "float32"), samples)
 
 
 def stateless_accumulate_gradients(model, optimizer_variables, gradients,

@@ -4,7 +4,7 @@ Each helper names the private member it touches, so a Keras upgrade is one
 file to review. Where Keras 3 versions differ, the helper detects what the
 running Keras offers rather than reading its version. Checked on keras
 3.6.0, 3.10.0 and 3.15.1 (TensorFlow) and 3.15.1 (JAX); see
-`tensorflow_training`, `jax_training` and `torch_training` for each
+`tensorflow_adapter`, `jax_adapter` and `torch_adapter` for each
 backend's own.
 """
 
