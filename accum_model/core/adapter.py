@@ -18,7 +18,8 @@ A subclass also gives:
   `LossScaling` (a `LossScaleOptimizer` taken apart for windows),
   `ModelDifferences` (mixed into the model class) and `WindowCheckpoint`.
 * The step: `accumulating_train_step`, `default_micro_batch_weight`,
-  `accumulate_gradients`, `stateless_accumulate_gradients`, `track_loss`,
+  `accumulate_gradients` or `stateless_accumulate_gradients` (whichever
+  its step is: the other refuses, here), `track_loss`,
   `logged_loss_totals`, `float16_gradient_flags`, `check_strategy`.
 * Keras's loop and files: `layers_of`, `steps_per_execution`,
   `micro_steps_in_epoch`, `model_keyword_arguments`, `learning_rate_of`,
@@ -79,6 +80,35 @@ class Adapter:
         on TensorFlow 2.13.1 and tf_keras 2.21.0)."""
         return getattr(getattr(model, "_compile_config", None), "config",
                        None)
+
+    @staticmethod
+    def accumulate_gradients(model, gradients, weight, batch_size=None):
+        """`AccumulatingModel.accumulate_gradients`, where the step is
+        stateful; a stateless step (JAX's) is told what it calls instead."""
+        del model, gradients, weight, batch_size
+        raise NotImplementedError(
+            "`accumulate_gradients` hands gradients to a stateful window; "
+            "on JAX a training step of your own, `train_step(self, state, "
+            "data)`, is stateless: call `trainable_variables, "
+            "optimizer_variables = self.stateless_accumulate_gradients("
+            "optimizer_variables, gradients, trainable_variables, weight)` "
+            "where Keras's step calls `self.optimizer.stateless_apply`.")
+
+    @staticmethod
+    def stateless_accumulate_gradients(model, optimizer_variables,
+                                       gradients, trainable_variables,
+                                       weight):
+        """`AccumulatingModel.stateless_accumulate_gradients`, where the
+        step is stateless (JAX's); a stateful step is told what it calls
+        instead."""
+        del model, optimizer_variables, gradients, trainable_variables
+        del weight
+        raise NotImplementedError(
+            "`stateless_accumulate_gradients` is for a stateless "
+            "`train_step(self, state, data)` on Keras 3's JAX backend; on "
+            "this backend the step is stateful: call "
+            "`self.accumulate_gradients(gradients, weight)` where Keras's "
+            "step calls `self.optimizer.apply`.")
 
     @staticmethod
     def is_foreign_layer(value):

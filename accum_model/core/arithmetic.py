@@ -121,6 +121,33 @@ def statistics_terms(count, mean, variance, shift, ops):
                       zeros))
 
 
+def moments_of_parts(count, mean, variance, summed, ops):
+    """The moments of a batch split into parts (one per device), from each
+    part's own, in float32 (Chan et al.'s pairwise combination).
+
+    Args:
+        count, mean, variance: This part's element count and its biased
+            moments, per channel.
+        summed: `(x) -> x summed over the parts` (a collective), applied to
+            tuples too.
+        ops: The backend's `ArrayOps`.
+
+    Returns:
+        (count, mean, variance) of the whole batch, per channel; a channel
+        with no element has mean and variance 0, as Keras's moments of
+        nothing.
+    """
+    count = ops.to_float32(count)
+    mean = ops.to_float32(mean)
+    variance = ops.to_float32(variance)
+    total, weighted = summed((count, count * mean))
+    total_or_one = ops.where(total > 0, total, ops.ones_like(total))
+    whole_mean = weighted / total_or_one
+    whole_variance = summed(
+        count * (variance + ops.square(mean - whole_mean))) / total_or_one
+    return total, whole_mean, whole_variance
+
+
 def pooled_moving_statistics(count, shifted_sum, shifted_square_sum, shift,
                              moving_mean, moving_variance, momentum, ops,
                              complement=None):

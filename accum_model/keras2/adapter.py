@@ -67,8 +67,6 @@ class Keras2Adapter(Adapter):
     steps_per_execution = staticmethod(loop.steps_per_execution)
     replicas_in_sync = staticmethod(tf_step.replicas_in_sync)
     accumulate_gradients = staticmethod(tf_step.accumulate_gradients)
-    stateless_accumulate_gradients = staticmethod(
-        tf_step.stateless_accumulate_gradients)
 
     @staticmethod
     def logs_for_reduction(logs, strategy):

@@ -53,11 +53,13 @@ import jax.numpy as jnp
 import keras
 from keras.src.backend.jax import random as jax_random
 
+from accum_model.core import arithmetic
 from accum_model.core import divisor
 from accum_model.core.window import WindowState
 from accum_model.keras3 import losses
 from accum_model.keras3 import stateless_window
 from accum_model.keras3.jax_window import window_sharding as _window_sharding
+from accum_model.keras3.stateless_ops import KERAS_OPS
 from accum_model.keras3.stateless_ops import KERAS_SHAPES
 from accum_model.keras3.jax_window import JaxAccumulation
 from accum_model.keras3.stateless_adapter import StatelessAdapter
@@ -363,19 +365,11 @@ def whole_batch_moments(axis):
     the whole batch's across the devices of `axis` (in a `shard_map`)."""
 
     def combined(count, mean, variance):
-        dtype = mean.dtype
-        count = jnp.asarray(count, jnp.float32)
-        mean = mean.astype(jnp.float32)
-        variance = variance.astype(jnp.float32)
-        total, weighted = jax.lax.psum((count, count * mean), axis)
-        # Keras's mean of no elements is 0.
-        total_or_one = jnp.where(total > 0, total, 1.0)
-        whole_mean = weighted / total_or_one
-        whole_variance = jax.lax.psum(
-            count * (variance + jnp.square(mean - whole_mean)),
-            axis) / total_or_one
-        return (total, whole_mean.astype(dtype),
-                whole_variance.astype(dtype))
+        total, whole_mean, whole_variance = arithmetic.moments_of_parts(
+            count, mean, variance, lambda x: jax.lax.psum(x, axis),
+            KERAS_OPS)
+        return (total, whole_mean.astype(mean.dtype),
+                whole_variance.astype(mean.dtype))
 
     return combined
 
@@ -505,18 +499,6 @@ def batch_split_ways():
         distribution.batch_dim_name, 1))
     return max(1, ways // jax.process_count())
 
-
-def accumulate_gradients(model, gradients, weight, batch_size=None):
-    del model, gradients, weight, batch_size
-    raise NotImplementedError(
-        "`accumulate_gradients` hands gradients to a stateful window; on "
-        "JAX a training step of your own, `train_step(self, state, data)`, "
-        "is stateless: call `trainable_variables, optimizer_variables = "
-        "self.stateless_accumulate_gradients(optimizer_variables, "
-        "gradients, trainable_variables, weight)` where Keras's step calls "
-        "`self.optimizer.stateless_apply`.")
-
-
 def stateless_accumulate_gradients(model, optimizer_variables, gradients,
                                    trainable_variables, weight):
     """`AccumulatingModel.stateless_accumulate_gradients` (JAX, traced)."""
@@ -554,6 +536,5 @@ class JaxAdapter(StatelessAdapter):
     accumulating_train_step = staticmethod(accumulating_train_step)
     check_strategy = staticmethod(check_strategy)
     batch_split_ways = staticmethod(batch_split_ways)
-    accumulate_gradients = staticmethod(accumulate_gradients)
     stateless_accumulate_gradients = staticmethod(
         stateless_accumulate_gradients)

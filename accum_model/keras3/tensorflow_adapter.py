@@ -195,8 +195,6 @@ class TensorFlowAdapter(Keras3Adapter):
     is_foreign_layer = staticmethod(is_foreign_layer)
     replicas_in_sync = staticmethod(tf_step.replicas_in_sync)
     accumulate_gradients = staticmethod(tf_step.accumulate_gradients)
-    stateless_accumulate_gradients = staticmethod(
-        tf_step.stateless_accumulate_gradients)
 
     @staticmethod
     def recording_loss_reductions():

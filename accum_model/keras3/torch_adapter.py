@@ -406,17 +406,6 @@ def accumulate_gradients(model, gradients, weight, batch_size=None):
                 for g in gradients],
         weight, ops.zeros((), "float32"), samples)
 
-
-def stateless_accumulate_gradients(model, optimizer_variables, gradients,
-                                   trainable_variables, weight):
-    del model, optimizer_variables, gradients, trainable_variables, weight
-    raise NotImplementedError(
-        "`stateless_accumulate_gradients` is for a stateless JAX step; on "
-        "PyTorch the step is stateful: call "
-        "`self.accumulate_gradients(gradients, weight)` where Keras's step "
-        "calls `self.optimizer.apply`.")
-
-
 class TorchAdapter(StatelessAdapter):
     """Keras 3 on PyTorch: the window in Keras's eager step."""
 
@@ -425,5 +414,3 @@ class TorchAdapter(StatelessAdapter):
     accumulating_train_step = staticmethod(accumulating_train_step)
     check_strategy = staticmethod(check_strategy)
     accumulate_gradients = staticmethod(accumulate_gradients)
-    stateless_accumulate_gradients = staticmethod(
-        stateless_accumulate_gradients)

@@ -120,17 +120,6 @@ def accumulate_gradients(model, gradients, weight, batch_size=None):
         batch_size = tf.constant(1)
     accumulation.add_micro_batch(list(gradients), weight, batch_size)
 
-
-def stateless_accumulate_gradients(model, optimizer_variables, gradients,
-                                   trainable_variables, weight):
-    del model, optimizer_variables, gradients, trainable_variables, weight
-    raise NotImplementedError(
-        "`stateless_accumulate_gradients` is for a stateless "
-        "`train_step(self, state, data)` on Keras 3's JAX backend; on "
-        "TensorFlow the step is stateful: call "
-        "`self.accumulate_gradients(gradients, weight)`.")
-
-
 def replicas_in_sync(model):
     """Int. Replicas the model trains on (its strategy's)."""
     return model.distribute_strategy.num_replicas_in_sync

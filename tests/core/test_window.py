@@ -328,6 +328,43 @@ def test_pooled_moments_move_statistics_as_the_large_batch():
                                rtol=1e-12)
 
 
+
+@pytest.mark.parametrize("sizes", [(3, 5, 2), (4, 0)])
+def test_moments_of_parts_are_the_whole_batchs(sizes):
+    # Each device's part as a row; the collective sums over the rows. A
+    # part with no elements has Keras's moments of nothing, 0 and 0.
+    rng = np.random.default_rng(2)
+    data = rng.normal(40.0, 3.0, size=(sum(sizes), 4)).astype("float32")
+    bounds = np.cumsum((0,) + sizes)
+    parts = [data[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    count = np.array([[len(part)] * 4 for part in parts], "float32")
+    mean = np.stack([part.mean(0) if len(part) else np.zeros(4, "float32")
+                     for part in parts])
+    variance = np.stack([part.var(0) if len(part) else np.zeros(4, "float32")
+                         for part in parts])
+
+    def summed(values):
+        if isinstance(values, tuple):
+            return tuple(summed(value) for value in values)
+        return np.broadcast_to(values.sum(0), values.shape)
+
+    total, whole_mean, whole_variance = arithmetic.moments_of_parts(
+        count, mean, variance, summed, OPS)
+    for row in range(len(sizes)):
+        assert np.all(total[row] == len(data))
+        np.testing.assert_allclose(whole_mean[row], data.mean(0), rtol=1e-6)
+        np.testing.assert_allclose(whole_variance[row],
+                                   data.astype("float64").var(0), rtol=1e-4)
+
+
+def test_moments_of_parts_without_elements_are_zero():
+    zeros = np.zeros((2, 3), "float32")
+    total, mean, variance = arithmetic.moments_of_parts(
+        zeros, zeros, zeros, lambda v: (tuple(x.sum(0) + 0 * x for x in v)
+                                        if isinstance(v, tuple)
+                                        else v.sum(0) + 0 * v), OPS)
+    assert np.all(total == 0) and np.all(mean == 0) and np.all(variance == 0)
+
 # The file layout ---------------------------------------------------------------
 
 def test_an_open_window_round_trips_through_the_file_layout():
