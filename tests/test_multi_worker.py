@@ -7,7 +7,9 @@ plain Keras trained in one process on the large batch. The cases of
 here, each with one device.
 """
 
+import fcntl
 import json
+import os
 import pathlib
 import sys
 
@@ -67,16 +69,28 @@ def test_worker_failure_ends_in_bounded_time_and_the_window_resumes(
 
 @pytest.fixture(scope="module")
 def two_worker_cases(tmp_path_factory):
-    """The directory where both workers saved every case's results."""
-    out = tmp_path_factory.mktemp("multi_worker_cases")
-    ports = harness.free_ports(2)
-    results = harness.run_bounded([
-        [sys.executable, str(CASES_SCRIPT), "--worker-index", str(index),
-         "--ports", *map(str, ports), "--out", str(out)]
-        for index in range(2)
-    ], timeout=400)
-    for code, output in results:
-        assert code == 0, output[-4000:]
+    """The directory where both workers saved every case's results.
+
+    They train once per run: under pytest-xdist the first of its workers to
+    get here launches them, in the directory the run's workers share, and
+    the others wait for it and read what they saved."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    out = shared / "multi_worker_cases"
+    with open(shared / "multi_worker_cases.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "finished").exists():
+            out.mkdir(exist_ok=True)
+            ports = harness.free_ports(2)
+            results = harness.run_bounded([
+                [sys.executable, str(CASES_SCRIPT), "--worker-index",
+                 str(index), "--ports", *map(str, ports), "--out", str(out)]
+                for index in range(2)
+            ], timeout=400)
+            for code, output in results:
+                assert code == 0, output[-4000:]
+            (out / "finished").write_text("")
     return out
 
 

@@ -30,6 +30,12 @@ def accumulating_base(model_class):
     raise TypeError(f"{model_class.__name__} is not an accumulating class")
 
 
+def has_default_micro_batch_weight(model_class):
+    """Whether `model_class` keeps the built-in `micro_batch_weight`."""
+    base = accumulating_base(model_class)
+    return model_class.micro_batch_weight is base.micro_batch_weight
+
+
 def next_init_class(model_class, after):
     """The first class after `after` in `model_class`'s MRO with an `__init__`.
 

@@ -54,6 +54,7 @@ import keras
 from keras.src.backend.jax import random as jax_random
 
 from accum_model.core import arithmetic
+from accum_model.core import class_tree
 from accum_model.core import divisor
 from accum_model.core.window import WindowState
 from accum_model.keras3 import losses
@@ -64,8 +65,6 @@ from accum_model.keras3.stateless_ops import KERAS_SHAPES
 from accum_model.keras3.jax_window import JaxAccumulation
 from accum_model.keras3.stateless_adapter import StatelessAdapter
 from accum_model.keras3.loop import layers_of
-from accum_model.keras3.stateless_adapter import (
-    has_default_micro_batch_weight)
 
 
 def accumulating_train_step(model, state, data):
@@ -76,7 +75,8 @@ def accumulating_train_step(model, state, data):
     optimizer_values = list(optimizer_and_window[:-1])
     window = optimizer_and_window[-1]
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    default_weight = has_default_micro_batch_weight(type(model))
+    default_weight = class_tree.has_default_micro_batch_weight(
+        type(model))
     accumulation._traced_window = window
 
     def optimizer_values_in_scope():

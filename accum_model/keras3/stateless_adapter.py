@@ -8,7 +8,6 @@ no Keras 2 layer, and record BatchNormalization's moments through
 3.10.0 and 3.15.1 with jax 0.10.2, and keras 3.15.1 with torch 2.13.0.
 """
 
-from accum_model.core import class_tree
 from accum_model.core import divisor
 from accum_model.keras3 import losses
 from accum_model.keras3.adapter import Keras3Adapter
@@ -28,9 +27,3 @@ class StatelessAdapter(Keras3Adapter):
         """What Keras divided this micro step's loss by (inside the step)."""
         return divisor.default_weight(model, x, y_pred,
                                       losses.get_keras_mask, KERAS_SHAPES)
-
-
-def has_default_micro_batch_weight(model_class):
-    """Whether `model_class` keeps the built-in `micro_batch_weight`."""
-    base = class_tree.accumulating_base(model_class)
-    return model_class.micro_batch_weight is base.micro_batch_weight

@@ -49,8 +49,6 @@ from accum_model.keras3 import stateless_window
 from accum_model.keras3.stateless_ops import KERAS_OPS
 from accum_model.keras3.stateless_ops import KERAS_SHAPES
 from accum_model.keras3.stateless_adapter import StatelessAdapter
-from accum_model.keras3.stateless_adapter import (
-    has_default_micro_batch_weight)
 from accum_model.keras3.torch_normalization import TorchPooledStatistics
 
 
@@ -293,7 +291,8 @@ def accumulating_train_step(model, data):
     accumulation = model._accumulation
     window = accumulation.window
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    default_weight = has_default_micro_batch_weight(type(model))
+    default_weight = class_tree.has_default_micro_batch_weight(
+        type(model))
     statistics = accumulation.statistics
     accumulation._traced_window = window.state
     with statistics.recording() as records:

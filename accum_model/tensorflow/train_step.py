@@ -66,7 +66,7 @@ def train_step(model, data, details):
     # (decided here for the default weight; an override's weight always
     # divides).
     summed = (
-        _has_default_micro_batch_weight(type(model))
+        class_tree.has_default_micro_batch_weight(type(model))
         and not accumulation.weight_from_batch_size
         and divisor.is_summed(reductions)
     )
@@ -145,8 +145,3 @@ def check_strategy(strategy):
             "replica. Received: distribute_strategy="
             f"{strategy.__class__.__name__}"
         )
-
-
-def _has_default_micro_batch_weight(model_class):
-    base = class_tree.accumulating_base(model_class)
-    return model_class.micro_batch_weight is base.micro_batch_weight
