@@ -499,6 +499,7 @@ def batch_split_ways():
         distribution.batch_dim_name, 1))
     return max(1, ways // jax.process_count())
 
+
 def stateless_accumulate_gradients(model, optimizer_variables, gradients,
                                    trainable_variables, weight):
     """`AccumulatingModel.stateless_accumulate_gradients` (JAX, traced)."""

@@ -18,10 +18,12 @@ from keras.src.models.functional import Functional
 def steps_per_execution(model):
     return int(getattr(model, "steps_per_execution", 1) or 1)
 
+
 def micro_steps_in_epoch(steps, steps_per_execution):
     """Steps an epoch of `steps` runs: Keras 3 runs whole executions, so up
     to the next multiple of `steps_per_execution`."""
     return math.ceil(steps / steps_per_execution) * steps_per_execution
+
 
 def model_keyword_arguments(functional):
     """Keyword arguments Keras's model constructor accepts.
@@ -43,9 +45,11 @@ def model_keyword_arguments(functional):
         names.discard("kwargs")
     return names
 
+
 def layers_of(model):
     """The model and every layer in it (private `Layer._flatten_layers`)."""
     return [model] + list(model._flatten_layers(include_self=False))
+
 
 def calls_in_graph(model):
     """How many times one call of `model` calls each layer, where its

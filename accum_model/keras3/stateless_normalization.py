@@ -36,6 +36,7 @@ from accum_model.keras3.normalization import pools_moving_statistics
 from accum_model.keras3.loop import calls_in_graph
 from accum_model.keras3.loop import layers_of
 
+
 class PooledStatistics:
     """The layers of a model whose moving statistics a window pools.
 

@@ -32,6 +32,7 @@ from accum_model.keras3.saving import InKerasFiles
 from accum_model.keras3.stateless_normalization import PooledStatistics
 from accum_model.keras3.stateless_ops import KERAS_OPS
 
+
 class StatelessAccumulation(WindowLifecycle):
     """The window state of one model on JAX or PyTorch, and its life cycle.
 

@@ -405,6 +405,7 @@ def accumulate_gradients(model, gradients, weight, batch_size=None):
                 for g in gradients],
         weight, ops.zeros((), "float32"), samples)
 
+
 class TorchAdapter(StatelessAdapter):
     """Keras 3 on PyTorch: the window in Keras's eager step."""
 

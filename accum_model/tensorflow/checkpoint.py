@@ -26,6 +26,7 @@ from accum_model.tensorflow import replicas
 from accum_model.tensorflow.ops import TF_OPS
 from accum_model.tensorflow.tf_checkpoint import SavedInTfCheckpoints
 
+
 class TensorFlowWindowCheckpoint(SavedInTfCheckpoints, layout.RestoredWindow):
     """Saves and restores the window of an `Accumulation`.
 

@@ -16,6 +16,7 @@ from accum_model.core import class_tree
 from accum_model.core import divisor
 from accum_model.tensorflow.ops import TF_SHAPES
 
+
 def train_step(model, data, details):
     """One micro step of `model` on `data` (replica context).
 
@@ -119,6 +120,7 @@ def accumulate_gradients(model, gradients, weight, batch_size=None):
     if batch_size is None:
         batch_size = tf.constant(1)
     accumulation.add_micro_batch(list(gradients), weight, batch_size)
+
 
 def replicas_in_sync(model):
     """Int. Replicas the model trains on (its strategy's)."""
