@@ -18,8 +18,9 @@ A subclass also gives:
   `LossScaling` (a `LossScaleOptimizer` taken apart for windows),
   `ModelDifferences` (mixed into the model class) and `WindowCheckpoint`.
 * The step: `accumulating_train_step`, `default_micro_batch_weight`,
-  `accumulate_gradients` or `stateless_accumulate_gradients` (whichever
-  its step is: the other refuses, here), `track_loss`,
+  `accumulate_gradients` (a stateful step) or
+  `stateless_accumulate_gradients` (a stateless one; the base refuses
+  the hook the step does not use), `track_loss`,
   `logged_loss_totals`, `float16_gradient_flags`, `check_strategy`.
 * Keras's loop and files: `layers_of`, `steps_per_execution`,
   `micro_steps_in_epoch`, `model_keyword_arguments`, `learning_rate_of`,

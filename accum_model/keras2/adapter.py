@@ -79,4 +79,4 @@ class Keras2Adapter(Adapter):
 
     def default_micro_batch_weight(self, model, x, y_pred):
         return tf_step.default_micro_batch_weight(model, x, y_pred,
-                                                      details=self)
+                                                  details=self)

@@ -59,12 +59,12 @@ from accum_model.core import divisor
 from accum_model.core.window import WindowState
 from accum_model.keras3 import losses
 from accum_model.keras3 import stateless_window
+from accum_model.keras3.jax_window import JaxAccumulation
 from accum_model.keras3.jax_window import window_sharding as _window_sharding
+from accum_model.keras3.loop import layers_of
+from accum_model.keras3.stateless_adapter import StatelessAdapter
 from accum_model.keras3.stateless_ops import KERAS_OPS
 from accum_model.keras3.stateless_ops import KERAS_SHAPES
-from accum_model.keras3.jax_window import JaxAccumulation
-from accum_model.keras3.stateless_adapter import StatelessAdapter
-from accum_model.keras3.loop import layers_of
 
 
 def accumulating_train_step(model, state, data):

@@ -210,4 +210,4 @@ class TensorFlowAdapter(Keras3Adapter):
 
     def default_micro_batch_weight(self, model, x, y_pred):
         return tf_step.default_micro_batch_weight(model, x, y_pred,
-                                                      details=self)
+                                                  details=self)

@@ -238,7 +238,7 @@ class TensorFlowAccumulation(WindowLifecycle):
             window.set_length(self.window_length())
 
     def add_micro_batch(self, gradients, weight, batch_size,
-                       divide_by_weight=True, loss=None, statistics=()):
+                        divide_by_weight=True, loss=None, statistics=()):
         """Adds one micro-batch's gradients; ends the window when due.
 
         Replica context, inside the training step, after `ensure_state`.

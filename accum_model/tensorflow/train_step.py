@@ -75,8 +75,8 @@ def train_step(model, data, details):
         model, y_pred, details.get_keras_mask, TF_SHAPES)
     # The loss in logs is the window's, logged once when it ends.
     accumulation.add_micro_batch(gradients, weight, batch_size,
-                                divide_by_weight=not summed, loss=loss,
-                                statistics=statistics)
+                                 divide_by_weight=not summed, loss=loss,
+                                 statistics=statistics)
     logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
     if accumulation.window_end.checks_finite:
         # An overflow must never pass silently: show the count.

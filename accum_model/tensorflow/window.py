@@ -183,8 +183,8 @@ class GradientWindow:
         old = self.state(gradient_sums=[])
         self.write(transition(old), old, everywhere)
 
-    def add_micro_batch(self, gradients, weight, samples, counts, loss=None,
-            statistics=()):
+    def add_micro_batch(self, gradients, weight, samples, counts,
+                        loss=None, statistics=()):
         """Adds a micro step to the window (replica context).
 
         Args:
