@@ -71,8 +71,3 @@ def test_keras_2_below_the_floor_is_refused(monkeypatch):
         _stack.check_stack()
     assert "found keras 2.12.0" in str(refusal.value)
     assert "pip install 'tensorflow>=2.13,<2.16'" in str(refusal.value)
-
-
-def test_this_stack_imports():
-    result = _import_with({})
-    assert result.returncode == 0, result.stderr[-2000:]
