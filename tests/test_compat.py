@@ -15,6 +15,13 @@ from accum_model import _stack
 _IMPORT = "import accum_model"
 
 
+def _refusal_of_this_process():
+    """The message of the ImportError the stack check raises here."""
+    with pytest.raises(ImportError) as refusal:
+        _stack.check_stack()
+    return str(refusal.value)
+
+
 def _import_with(env_changes, prelude="", postlude=""):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **env_changes}
     return subprocess.run(
@@ -37,9 +44,7 @@ def test_legacy_keras_flag_gives_a_keras_2_model():
 def test_legacy_keras_flag_without_tf_keras_names_the_fix(monkeypatch):
     monkeypatch.setenv("TF_USE_LEGACY_KERAS", "1")
     monkeypatch.setitem(sys.modules, "tf_keras", None)  # not installed
-    with pytest.raises(ImportError) as refusal:
-        _stack.check_stack()
-    message = str(refusal.value)
+    message = _refusal_of_this_process()
     assert ("pip install 'tf-keras~=" in message
             or "pip install tensorflow tf-keras" in message)
     assert "unset TF_USE_LEGACY_KERAS" in message
@@ -48,9 +53,7 @@ def test_legacy_keras_flag_without_tf_keras_names_the_fix(monkeypatch):
 def test_unsupported_backend_is_refused_naming_the_supported(monkeypatch):
     # Keras's "numpy" backend cannot train.
     monkeypatch.setattr(keras.backend, "backend", lambda: "numpy")
-    with pytest.raises(ImportError) as refusal:
-        _stack.check_stack()
-    message = str(refusal.value)
+    message = _refusal_of_this_process()
     assert "found 'numpy'" in message
     assert "'tensorflow', 'jax'" in message
     assert "KERAS_BACKEND=tensorflow" in message
@@ -67,7 +70,6 @@ def test_keras_below_the_floor_is_refused_at_import():
 
 def test_keras_2_below_the_floor_is_refused(monkeypatch):
     monkeypatch.setattr(keras, "__version__", "2.12.0")
-    with pytest.raises(ImportError) as refusal:
-        _stack.check_stack()
-    assert "found keras 2.12.0" in str(refusal.value)
-    assert "pip install 'tensorflow>=2.13,<2.16'" in str(refusal.value)
+    message = _refusal_of_this_process()
+    assert "found keras 2.12.0" in message
+    assert "pip install 'tensorflow>=2.13,<2.16'" in message
