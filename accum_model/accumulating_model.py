@@ -1,8 +1,9 @@
 """The public `AccumulatingModel` class: the Keras hooks of accumulation.
 
-The window itself, and the promise, live in `accum_model.tensorflow.accumulation`;
-this class connects it to Keras's `fit()`, `train_step`, configuration and
-saving, through the adapter of the Keras in use.
+The promise, the window's state and its transitions, lives in
+`accum_model.core.window`, run by the backend's store; this class connects
+it to Keras's `fit()`, `train_step`, configuration and saving, through the
+adapter of the Keras in use.
 """
 
 import functools

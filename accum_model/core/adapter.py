@@ -29,6 +29,8 @@ A subclass also gives:
   `wrap_sequential_cloning`.
 """
 
+from accum_model.core import class_tree
+
 
 class Adapter:
     """The answers most stacks share; see the module's docstring."""
@@ -37,6 +39,8 @@ class Adapter:
     END_OF_DATA_ERRORS = ()
     # Why `steps_per_execution > 1` is refused, or "" where it is safe.
     STEPS_PER_EXECUTION_FIX = ""
+
+    layers_of = staticmethod(class_tree.layers_of)
 
     @staticmethod
     def executions_stop_cleanly_at_end_of_data():

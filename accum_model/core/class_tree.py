@@ -13,6 +13,13 @@ import types
 _KERAS_PACKAGES = ("keras", "tf_keras")
 
 
+def layers_of(model):
+    """The model and every layer in it, through the private
+    `Layer._flatten_layers` that both Kerases have (checked on keras
+    3.6.0-3.15.1, TensorFlow 2.13.1's Keras and tf_keras 2.21.0)."""
+    return [model] + list(model._flatten_layers(include_self=False))
+
+
 def is_keras_class(cls):
     return cls.__module__.split(".")[0] in _KERAS_PACKAGES or cls is object
 

@@ -61,7 +61,6 @@ class Keras2Adapter(Adapter):
     foreign_variables_in_graph = staticmethod(
         loop.foreign_variables_in_graph)
     is_foreign_layer = staticmethod(loop.is_foreign_layer)
-    layers_of = staticmethod(loop.layers_of)
     micro_steps_in_epoch = staticmethod(loop.micro_steps_in_epoch)
     model_keyword_arguments = staticmethod(loop.model_keyword_arguments)
     steps_per_execution = staticmethod(loop.steps_per_execution)

@@ -12,6 +12,7 @@ import warnings
 
 import tensorflow as tf
 
+from accum_model.core.class_tree import layers_of
 from accum_model.core.messages import window_is_open
 from accum_model.keras2.package import keras
 from accum_model.tensorflow import train_step as tf_step
@@ -86,11 +87,6 @@ def model_keyword_arguments(functional):
     if functional:
         names = {"inputs", "outputs", "name", "trainable"}
     return names
-
-
-def layers_of(model):
-    """The model and every layer in it (private `Layer._flatten_layers`)."""
-    return [model] + list(model._flatten_layers(include_self=False))
 
 
 def foreign_variables_in_graph(model):

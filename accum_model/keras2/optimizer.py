@@ -14,6 +14,7 @@ optimizers (`optimizers.legacy`) are built through the private
 
 import tensorflow as tf
 
+from accum_model.core import class_tree
 from accum_model.core.optimizer_duties import OptimizerDuties
 from accum_model.keras2.package import keras
 from accum_model.keras2.package import src
@@ -34,7 +35,7 @@ def float16_gradient_flags(model, variables):
     Checked on tf_keras 2.21.0.
     """
     autocast = set()
-    for layer in [model] + list(model._flatten_layers(include_self=False)):
+    for layer in class_tree.layers_of(model):
         if (getattr(layer, "_autocast", True)
                 and layer.compute_dtype == "float16"):
             autocast.update(

@@ -45,7 +45,6 @@ class Keras3Adapter(Adapter):
     register_plain_name = staticmethod(saving.register_plain_name)
     serialize_as = staticmethod(saving.serialize_as)
     wrap_sequential_cloning = staticmethod(saving.wrap_sequential_cloning)
-    layers_of = staticmethod(loop.layers_of)
     micro_steps_in_epoch = staticmethod(loop.micro_steps_in_epoch)
     model_keyword_arguments = staticmethod(loop.model_keyword_arguments)
     steps_per_execution = staticmethod(loop.steps_per_execution)

@@ -61,7 +61,6 @@ from accum_model.keras3 import losses
 from accum_model.keras3 import stateless_window
 from accum_model.keras3.jax_window import JaxAccumulation
 from accum_model.keras3.jax_window import window_sharding as _window_sharding
-from accum_model.keras3.loop import layers_of
 from accum_model.keras3.stateless_adapter import StatelessAdapter
 from accum_model.keras3.stateless_ops import KERAS_OPS
 from accum_model.keras3.stateless_ops import KERAS_SHAPES
@@ -211,7 +210,7 @@ def per_device_gradients(model, trainable, non_trainable, x, forward,
     unvarying = jax.sharding.PartitionSpec()
     position = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
     streams = {position[id(generator.state)]
-               for layer in layers_of(model)
+               for layer in class_tree.layers_of(model)
                for generator in getattr(layer, "_seed_generators", ())
                if id(generator.state) in position}
     moving = model._accumulation.statistics.moving_positions
@@ -305,7 +304,7 @@ def additive_activity_penalties(model):
     """Counts the penalties of Keras's additive activity regularizers (L1,
     L2, L1L2, of a batch's outputs) that a pass adds to its layers'
     losses. Yields the list each is appended to."""
-    layers = [layer for layer in layers_of(model)
+    layers = [layer for layer in class_tree.layers_of(model)
               if type(getattr(layer, "activity_regularizer", None))
               in _ADDITIVE]
     penalties = []

@@ -25,7 +25,6 @@ from accum_model.core.variables import is_overwritten_with_gradient
 from accum_model.keras3 import losses
 from accum_model.keras3 import stateless_window
 from accum_model.keras3.normalization import pools_moving_statistics
-from accum_model.keras3.loop import layers_of
 
 
 class DeviceBlocks(typing.NamedTuple):
@@ -126,7 +125,7 @@ class JaxAccumulation(stateless_window.StatelessAccumulation):
         return not (
             any(isinstance(layer, keras.layers.BatchNormalization)
                 and layer.trainable and not pools_moving_statistics(layer)
-                for layer in layers_of(model))
+                for layer in class_tree.layers_of(model))
             or self.settings.measure_noise_scale
             or self.settings.may_overflow
             or any(is_overwritten_with_gradient(v)

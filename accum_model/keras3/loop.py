@@ -46,11 +46,6 @@ def model_keyword_arguments(functional):
     return names
 
 
-def layers_of(model):
-    """The model and every layer in it (private `Layer._flatten_layers`)."""
-    return [model] + list(model._flatten_layers(include_self=False))
-
-
 def calls_in_graph(model):
     """How many times one call of `model` calls each layer, where its
     functional graphs show it: `{id(layer): calls}`.

@@ -9,6 +9,7 @@ does (`Keras3LossScaling`; the window end's own part is each backend's:
 from keras import ops
 from keras import optimizers
 
+from accum_model.core import class_tree
 from accum_model.core.optimizer_duties import OptimizerDuties
 from accum_model.core.variables import is_overwritten_with_gradient
 
@@ -76,7 +77,7 @@ def float16_gradient_flags(model, variables):
     private `_trainable_variables`. Checked on keras 3.15.1.
     """
     autocast = set()
-    for layer in [model] + list(model._flatten_layers(include_self=False)):
+    for layer in class_tree.layers_of(model):
         if (getattr(layer, "autocast", True)
                 and layer.compute_dtype == "float16"):
             autocast.update(

@@ -30,11 +30,11 @@ import keras
 from keras import ops
 
 from accum_model.core import arithmetic
+from accum_model.core.class_tree import layers_of
 from accum_model.keras3.stateless_ops import KERAS_OPS
 from accum_model.keras3.normalization import is_symbolic_call
 from accum_model.keras3.normalization import pools_moving_statistics
 from accum_model.keras3.loop import calls_in_graph
-from accum_model.keras3.loop import layers_of
 
 
 class PooledStatistics:

@@ -27,7 +27,6 @@ from accum_model.keras3 import tensorflow_normalization as normalization
 from accum_model.keras3.adapter import Keras3Adapter
 from accum_model.keras3.tensorflow_optimizer import TensorFlowLossScaling
 from accum_model.keras3.saving import InKerasFiles
-from accum_model.keras3.loop import layers_of
 from accum_model.tensorflow import train_step as tf_step
 from accum_model.tensorflow.accumulation import TensorFlowAccumulation
 from accum_model.tensorflow.checkpoint import TensorFlowWindowCheckpoint
@@ -77,7 +76,7 @@ def build_window_before_tracing(model):
         return
     accumulation.ensure_state(
         variables, model.distribute_strategy,
-        normalization.expected_statistics_calls(layers_of(model)))
+        normalization.expected_statistics_calls(class_tree.layers_of(model)))
 
 
 def executions_stop_cleanly_at_end_of_data():

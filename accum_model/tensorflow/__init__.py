@@ -12,7 +12,7 @@ adapter. Here is only what tf.distribute needs:
 * `window_end` — the one update (or skip) at the end of a window, and its
   one reduction across replicas; `replicas` hides which distribution
   context the code runs in.
-* `training` — the training step, given each Keras's adapter.
+* `train_step` — the training step, given each Keras's adapter.
 * `optimizer_duties` — the compiled optimizer split into its loss scaler and
   its updater.
 * `batch_statistics` — BatchNormalization's pooled moments.

@@ -1,15 +1,9 @@
-"""The accumulation a model holds: where the promise is kept.
+"""The accumulation a model holds on TensorFlow: the window's life cycle.
 
-n micro-batches of b samples train like one batch of n*b. Each micro step
-adds its micro-batch's gradients to the window, weighted by what the loss
-divided that micro-batch by; the window's end divides by the window's total
-weight, which makes the applied gradient the large batch's, and applies it
-with one optimizer update. Optimizer state, `iterations`, schedules,
-clipping and weight decay therefore only move on gradient steps.
-
-`Accumulation` is plain state and the operations on it, with no Keras in
-it: the model (the layer above) passes in what Keras decides — the
-strategy, the trainable variables, the compiled optimizer's duties — and
+`TensorFlowAccumulation` holds the window's per-replica variables
+(`window`) and its end (`window_end`), which run `core.window`'s
+transitions. The model (the layer above) passes in what Keras decides (the
+strategy, the trainable variables, the compiled optimizer's duties) and
 asks it to add a micro step, start an epoch or apply the open window.
 """
 
@@ -93,24 +87,13 @@ class TensorFlowAccumulation(WindowLifecycle):
         return updates
 
     def micro_batch_share(self):
-        """Float32 scalar: the part of its window one replica's micro-batch
-        is, 1/(n * replicas).
-
-        n is the window's length, or the micro steps the epoch has left when
-        those are fewer. Loss scaling multiplies by it, so that a
-        micro-batch's backward pass holds the large batch's per-sample terms
-        (each replica's loss is the mean over its own share of the
-        micro-batch). 1 before the window exists.
-        """
+        """Float32 scalar: `arithmetic.micro_batch_share` of one replica's
+        micro-batch; 1 before the window exists."""
         window = self.window
         if window is None:
             return tf.constant(1.0)
-        length = window.length
-        # A window the epoch's end will cut short holds only the micro steps
-        # the epoch has left (counted with this one); unknown: negative.
-        left = window.steps_left_in_epoch
         return arithmetic.micro_batch_share(
-            length, window.micro_steps, left,
+            window.length, window.micro_steps, window.steps_left_in_epoch,
             window.strategy.num_replicas_in_sync, TF_OPS)
 
     def accumulator_bytes(self):
