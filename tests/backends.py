@@ -6,15 +6,31 @@ something only one backend offers (TensorFlow's distribution strategies,
 `tf.data`, Keras 2; JAX's `keras.distribution` and stateless step) is
 marked with `tensorflow_only` or `jax_only`, and skipped elsewhere with
 the reason; `not_on_jax` marks what JAX refuses (tested there).
+
+Under Keras 2 (`TF_USE_LEGACY_KERAS=1` with tf_keras, or TensorFlow
+2.13-2.15's own Keras) a topic file's tests run where they are marked
+`keras_2_too` and are skipped otherwise; a test file that runs there takes
+its Keras from `helpers.keras`, the Keras the model trains with.
 """
 
 import keras
 import pytest
 
+from accum_model._chooser import KERAS_MAJOR
+
 BACKEND = keras.backend.backend()
 ON_TENSORFLOW = BACKEND == "tensorflow"
 ON_JAX = BACKEND == "jax"
 ON_TORCH = BACKEND == "torch"
+ON_KERAS_2 = KERAS_MAJOR == 2
+
+# Marks a test of a topic file that runs under Keras 2 too.
+keras_2_too = pytest.mark.keras_2_too
+
+
+def keras_3_only(reason):
+    """Marks a test of a file that runs under Keras 2 as Keras 3's only."""
+    return pytest.mark.skipif(ON_KERAS_2, reason=f"Keras 3 only: {reason}")
 
 
 def tensorflow_only(reason):

@@ -2,18 +2,22 @@
 
 Each test trains once without interruption, and once more from a checkpoint
 taken after micro-batch `SAVED_AFTER` (in the middle of a window), feeding
-the micro-batches that follow it. Both runs must end equal.
+the micro-batches that follow it. Both runs must end equal. Checkpoints
+and backups run under Keras 2 too.
 """
 
-import keras
 import numpy as np
 import pytest
 
 from accum_model import AccumulatingModel
 from backends import ON_TENSORFLOW
+from backends import ON_KERAS_2
+from backends import keras_2_too
+from backends import keras_3_only
 from backends import not_on_jax
 from backends import tensorflow_only
-from helpers import iterations, max_weight_difference, mlp, regression_data
+from helpers import iterations, keras, max_weight_difference, mlp
+from helpers import regression_data
 
 if ON_TENSORFLOW:
     import tensorflow as tf
@@ -22,6 +26,14 @@ MICRO_BATCH = 8
 N_GRADIENTS = 4
 MICRO_BATCHES = 10  # windows of 4, 4, then 2 flushed at the epoch's end
 SAVED_AFTER = 6  # two micro-batches into the second window
+
+pytestmark = keras_2_too
+
+
+def weights_file(directory, name):
+    """A weights file that holds the open window: Keras 3's `.weights.h5`;
+    under Keras 2, TensorFlow's checkpoint format (its h5 files cannot)."""
+    return str(directory / (name if ON_KERAS_2 else f"{name}.weights.h5"))
 
 
 def make_optimizer(name):
@@ -78,14 +90,15 @@ def _first_run_saving(optimizer, callback, **kwargs):
     return model
 
 
-def _save_and_load(how, path, optimizer):
-    """(callback saving after SAVED_AFTER micro-batches, fn loading it)."""
+def _save_and_load(how, path, optimizer, **kwargs):
+    """(callback saving after SAVED_AFTER micro-batches, fn loading it into
+    a model compiled with `optimizer` and `kwargs`)."""
     if how == "keras_file":
         file = str(path / "mid.keras")
         save = _AfterMicroBatch(SAVED_AFTER, lambda m: m.save(file))
         return save, lambda: keras.models.load_model(file)
     if how in ("weights_file", "model_checkpoint_weights"):
-        file = str(path / "mid.weights.h5")
+        file = weights_file(path, "mid")
         if how == "weights_file":
             save = _AfterMicroBatch(SAVED_AFTER, lambda m: m.save_weights(file))
         else:
@@ -94,7 +107,7 @@ def _save_and_load(how, path, optimizer):
             )
 
         def load():
-            model = compiled(optimizer)
+            model = compiled(optimizer, **kwargs)
             # Keras loads optimizer variables only into a built optimizer.
             model.optimizer.build(model.trainable_variables)
             model.load_weights(file)
@@ -114,7 +127,7 @@ def _save_and_load(how, path, optimizer):
             tf.train.CheckpointManager(checkpoint, directory, 2).save()
 
         def load():
-            model = compiled(optimizer)
+            model = compiled(optimizer, **kwargs)
             checkpoint = tf.train.Checkpoint(model=model,
                                              optimizer=model.optimizer)
             checkpoint.restore(tf.train.latest_checkpoint(directory))
@@ -124,8 +137,11 @@ def _save_and_load(how, path, optimizer):
     raise ValueError(how)
 
 
-SAVES = ["keras_file", "weights_file", "model_checkpoint_weights",
-         "model_checkpoint_model",
+# Keras 2's `.keras` files cannot hold the window (it warns when saving).
+_KERAS_3_FILES = keras_3_only("a .keras file holding the window")
+SAVES = [pytest.param("keras_file", marks=_KERAS_3_FILES), "weights_file",
+         "model_checkpoint_weights",
+         pytest.param("model_checkpoint_model", marks=_KERAS_3_FILES),
          pytest.param("tf_checkpoint",
                       marks=tensorflow_only("tf.train.Checkpoint"))]
 
@@ -164,7 +180,7 @@ def test_window_restored_before_it_is_built_waits_for_it(tmp_path):
     # Build, compile, load_weights: the window is built in the first training
     # step, so the restored one waits. (Keras skips the variables of the
     # optimizer, not yet built, with a warning: plain SGD keeps none.)
-    file = str(tmp_path / "mid.weights.h5")
+    file = weights_file(tmp_path, "mid")
     _first_run_saving(
         "sgd", _AfterMicroBatch(SAVED_AFTER, lambda m: m.save_weights(file))
     )
@@ -184,7 +200,7 @@ def test_window_restored_before_it_is_built_waits_for_it(tmp_path):
 
 
 def test_weights_saved_mid_window_load_into_a_plain_model(tmp_path):
-    file = str(tmp_path / "mid.weights.h5")
+    file = weights_file(tmp_path, "mid")
     trained = _first_run_saving(
         "adam", _AfterMicroBatch(SAVED_AFTER, lambda m: m.save_weights(file))
     )
@@ -197,7 +213,7 @@ def test_weights_saved_mid_window_load_into_a_plain_model(tmp_path):
 
 
 def test_file_without_a_window_empties_the_open_window(tmp_path):
-    file = str(tmp_path / "plain.weights.h5")
+    file = weights_file(tmp_path, "plain")
     plain = mlp(keras.Model)
     plain.save_weights(file)
     model = compiled("sgd")
@@ -210,12 +226,14 @@ def test_file_without_a_window_empties_the_open_window(tmp_path):
 
 
 def test_window_of_other_weights_is_refused_by_name(tmp_path):
-    file = str(tmp_path / "mid.weights.h5")
+    file = weights_file(tmp_path, "mid")
     _first_run_saving(
         "sgd", _AfterMicroBatch(SAVED_AFTER, lambda m: m.save_weights(file))
     )
-    model = compiled("sgd")
+    # Frozen before compiling: Keras 2 reads `trainable` as it compiles.
+    model = mlp(AccumulatingModel, n_gradients=N_GRADIENTS)
     model.layers[-1].trainable = False
+    model.compile(optimizer=make_optimizer("sgd"), loss="mse")
     x, y = _data()
     model.load_weights(file)
     with pytest.raises(ValueError, match="same trainable weights"):
@@ -275,7 +293,7 @@ def test_resume_under_two_replicas_is_exact(two_replicas, tmp_path):
         reference.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
 
     saved_after = 3
-    file = str(tmp_path / "mid.weights.h5")
+    file = weights_file(tmp_path, "mid")
     directory = str(tmp_path / "tf")
 
     def save(model):
@@ -310,6 +328,8 @@ def test_resume_under_two_replicas_is_exact(two_replicas, tmp_path):
         assert max_weight_difference(resumed, reference) <= 2e-5, load
 
 
+@keras_3_only("Keras 2's LossScaleOptimizer counts a skipped step "
+              "(tests/test_keras2.py)")
 def test_mixed_precision_resumes_the_loss_scale_and_an_overflowed_window(
         tmp_path):
     # Micro-batches 1 and 5 overflow float16: the first window is skipped
@@ -326,7 +346,7 @@ def test_mixed_precision_resumes_the_loss_scale_and_an_overflowed_window(
     reference = fresh()
     reference.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0)
 
-    file = str(tmp_path / "mid.weights.h5")
+    file = weights_file(tmp_path, "mid")
     interrupted = fresh()
     interrupted.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0,
                     callbacks=[_AfterMicroBatch(SAVED_AFTER,
@@ -348,6 +368,7 @@ def test_mixed_precision_resumes_the_loss_scale_and_an_overflowed_window(
 
 
 @tensorflow_only("tf.saved_model")
+@keras_3_only("Model.export")
 def test_model_with_a_window_open_exports_for_serving(tmp_path):
     # Export traces the saved state in a graph; it must leave the window
     # out and still serve the model's predictions.
@@ -365,14 +386,17 @@ def test_model_with_a_window_open_exports_for_serving(tmp_path):
 @pytest.mark.parametrize("dtype", [
     "bfloat16", pytest.param("float64", marks=not_on_jax(
         "float64 on JAX needs jax_enable_x64"))])
-def test_resume_keeps_a_window_of_another_accumulator_dtype(dtype, tmp_path):
+@pytest.mark.parametrize("how", [
+    "weights_file",
+    pytest.param("tf_checkpoint", marks=tensorflow_only("tf.train.Checkpoint"))])
+def test_resume_keeps_a_window_of_another_accumulator_dtype(dtype, how,
+                                                            tmp_path):
     reference = _uninterrupted("adam", accumulator_dtype=dtype)
-    file = str(tmp_path / "mid.weights.h5")
-    _first_run_saving("adam", _AfterMicroBatch(
-        SAVED_AFTER, lambda m: m.save_weights(file)), accumulator_dtype=dtype)
-    resumed = compiled("adam", accumulator_dtype=dtype)
-    resumed.optimizer.build(resumed.trainable_variables)
-    resumed.load_weights(file)
+    save, load = _save_and_load(how, tmp_path, "adam",
+                                accumulator_dtype=dtype)
+    _first_run_saving("adam", save, accumulator_dtype=dtype)
+    # Restored before the window is built: it waits for it.
+    resumed = load()
     _rest_of_the_epoch(resumed)
     parameters = sum(int(np.prod(w.shape)) for w in resumed.trainable_weights)
     bytes_per_element = {"bfloat16": 2, "float64": 8}[dtype]
@@ -385,7 +409,7 @@ def test_window_loaded_into_another_n_gradients_ends_then_takes_the_new(
         tmp_path):
     # Saved with 2 of 4 micro-batches open; loaded into a model with
     # n_gradients=2: the open window still ends at 4, then windows of 2.
-    file = str(tmp_path / "mid.weights.h5")
+    file = weights_file(tmp_path, "mid")
     _first_run_saving("sgd", _AfterMicroBatch(
         SAVED_AFTER, lambda m: m.save_weights(file)))
     model = mlp(AccumulatingModel, n_gradients=2)

@@ -36,10 +36,11 @@ SIZER = "window_sizer"
 SIZER_LENGTH = 4
 
 
-def empty_state():
-    """The arrays of a file saved while no window existed."""
+def empty_state(gradient_dtype=np.float32):
+    """The arrays of a file saved while no window existed (its gradients of
+    the dtype the window saves, see `saved_state`)."""
     return {
-        "gradients": np.zeros([0], np.float32),
+        "gradients": np.zeros([0], gradient_dtype),
         "sizes": np.zeros([0], np.int64),
         "has_gradient": np.zeros([0], np.int8),
         "counters": np.array([0.0] * len(COUNTERS) + [VERSION], np.float64),
@@ -184,6 +185,14 @@ class RestoredWindow:
             return
         self._pending = None
         self._write(arrays)
+
+    def empty(self):
+        """Empties the open window, and forgets one waiting to be written,
+        as loading a file without a window does."""
+        self._pending = None
+        self.restored_micro_steps = 0
+        if self._window_exists():
+            self._write(read({}))
 
     def window_built(self, window=None):
         """Writes a restored window into the window the model just built."""

@@ -33,6 +33,13 @@ class Keras2ModelDifferences:
             _warn_if_window_is_left_out(self, "an `.h5` weights file")
         return super().save_weights(filepath, *args, **kwargs)
 
+    def load_weights(self, filepath, *args, **kwargs):
+        # The open window becomes the file's, as Keras 3's files make it:
+        # emptied first, then written where the file holds one (a
+        # TensorFlow-format file), rather than kept from before the load.
+        self._accumulation.checkpoint.empty()
+        return super().load_weights(filepath, *args, **kwargs)
+
 
 def _warn_if_window_is_left_out(model, kind):
     open_steps = model._accumulation.open_micro_steps()

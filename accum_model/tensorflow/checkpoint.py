@@ -50,7 +50,11 @@ class TensorFlowWindowCheckpoint(SavedInTfCheckpoints, layout.RestoredWindow):
         """The window as arrays: the same keys whether or not it exists."""
         window = self._window()
         if window is None:
-            return self._pending or layout.empty_state()
+            # A restore reads the dtypes this gives: those of the window
+            # the model will build.
+            return self._pending or layout.empty_state(
+                np.float64 if self._accumulation().settings.accumulator_dtype
+                == "float64" else np.float32)
         # Read in cross-replica context: synchronised-on-read sums come back
         # summed over replicas (and workers), counters as the first replica's.
         # Narrow accumulators are saved as float32 (what every file format
