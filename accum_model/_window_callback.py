@@ -98,7 +98,10 @@ class WindowCallback(keras.callbacks.Callback):
         self._epoch = epoch
         self._training_loss = None
         model = self.accumulating_model
-        steps = self.params.get("steps") if self.params else None
+        # A CallbackList of the user's gives no `params`, which Keras 2's
+        # callbacks then lack.
+        params = getattr(self, "params", None)
+        steps = params.get("steps") if params else None
         if steps:
             steps = adapter.micro_steps_in_epoch(
                 steps, adapter.steps_per_execution(model)

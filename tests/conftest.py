@@ -67,12 +67,16 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True)
 def float32_policy():
     """Every test starts and ends under the float32 policy (of `keras`, and
-    of `tf.keras` where that is Keras 2)."""
+    of the Keras the model trains with where that is Keras 2)."""
     import keras
 
-    keras.mixed_precision.set_global_policy("float32")
+    from helpers import keras as training_keras
+
+    for each in {keras, training_keras}:
+        each.mixed_precision.set_global_policy("float32")
     yield
-    keras.mixed_precision.set_global_policy("float32")
+    for each in {keras, training_keras}:
+        each.mixed_precision.set_global_policy("float32")
 
 
 def pytest_collection_modifyitems(items):

@@ -179,5 +179,8 @@ def run_example(path, *arguments, timeout=300):
 
 
 def numpy_of(value):
-    """A variable's or tensor's value as a NumPy array, on any backend."""
+    """A variable's or tensor's value as a NumPy array, on any backend (and
+    under Keras 2, whose values are TensorFlow's)."""
+    if not hasattr(keras, "ops"):
+        return np.asarray(value)
     return np.asarray(keras.ops.convert_to_numpy(value))

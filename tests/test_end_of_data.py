@@ -6,19 +6,23 @@ step. Those failures depend on when the end is noticed, so each case runs
 several trials.
 """
 
-import keras
 import numpy as np
 import pytest
 
 from accum_model import AccumulatingModel
+from backends import keras_2_too
+from backends import keras_3_only
+from backends import ON_TENSORFLOW
+from backends import tensorflow_only
+from helpers import keras
 from helpers import iterations
 from helpers import max_weight_difference
 from helpers import mlp
 from helpers import regression_data
 from helpers import windows_reference
 from helpers import skip_unless_executions_stop_cleanly
-from backends import ON_TENSORFLOW
-from backends import tensorflow_only
+
+pytestmark = keras_2_too
 
 if ON_TENSORFLOW:
     import tensorflow as tf
@@ -78,6 +82,7 @@ def test_data_of_unknown_length_stays_exact(source, flush_each_epoch):
 
 
 @TF_DATA
+@keras_3_only("Keras 2 refuses empty data itself")
 @pytest.mark.parametrize("steps_per_execution", [1, 3])
 def test_empty_data_leaves_weights_bit_identical(steps_per_execution):
     skip_unless_executions_stop_cleanly(steps_per_execution)
@@ -94,6 +99,8 @@ def test_empty_data_leaves_weights_bit_identical(steps_per_execution):
             np.testing.assert_array_equal(a, b)
 
 
+@keras_3_only("Keras 2 refuses data of unknown length with "
+              "steps_per_execution > 1 itself")
 @pytest.mark.parametrize("source", [
     "python_generator", pytest.param("unknown_cardinality", marks=TF_DATA)])
 def test_unknown_length_with_steps_per_execution(source):

@@ -2,17 +2,22 @@
 
 import csv
 
-import keras
 import numpy as np
 import pytest
 
 from accum_model import AccumulatingModel
+from backends import keras_2_too
+from backends import keras_3_only
+from helpers import keras
 from helpers import iterations
 from helpers import max_weight_difference
 from helpers import mlp
+from helpers import numpy_of
 from helpers import regression_data
 from helpers import skip_unless_executions_stop_cleanly
 from helpers import windows_reference
+
+pytestmark = keras_2_too
 
 
 def _micro_batches(samples, size=8):
@@ -47,6 +52,8 @@ def _refused_by_this_keras(model, x, y, **fit_kwargs):
     return True
 
 
+@keras_3_only("Keras 2 runs steps_per_epoch micro-batches, not whole "
+              "executions (tests/test_keras2.py)")
 def test_steps_per_execution_that_does_not_divide_the_epoch():
     skip_unless_executions_stop_cleanly(3)
     # steps_per_epoch=10 with executions of 3: Keras runs 12 micro-batches.
@@ -286,8 +293,7 @@ class _LossAtEpochEnd(keras.callbacks.Callback):
         self.losses, self.updates = [], []
 
     def on_epoch_end(self, epoch, logs=None):
-        predictions = keras.ops.convert_to_numpy(
-            self.model(self.x, training=False))
+        predictions = numpy_of(self.model(self.x, training=False))
         self.losses.append(float(np.mean((predictions - self.y) ** 2)))
         self.updates.append(iterations(self.model))
 

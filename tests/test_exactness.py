@@ -1,10 +1,15 @@
 """n micro-batches of b equal one batch of n*b: weights after fit() match."""
 
-import keras
 import numpy as np
 import pytest
 
 from accum_model import AccumulatingModel
+from backends import keras_2_too
+from backends import keras_3_only
+from backends import ON_TENSORFLOW
+from backends import ON_TORCH
+from backends import tensorflow_only
+from helpers import keras
 from helpers import classification_data
 from helpers import fit_both
 from helpers import iterations
@@ -12,9 +17,11 @@ from helpers import max_weight_difference
 from helpers import mlp
 from helpers import regression_data
 from helpers import skip_unless_executions_stop_cleanly
-from backends import ON_TENSORFLOW
-from backends import ON_TORCH
-from backends import tensorflow_only
+
+pytestmark = keras_2_too
+
+# Where the test's own layers compute with `keras.ops`.
+_KERAS_OPS = keras_3_only("the test's layers use keras.ops")
 
 if ON_TENSORFLOW:
     import tensorflow as tf
@@ -163,6 +170,7 @@ def test_masked_lstm_on_padded_sequences():
     assert max_weight_difference(plain, accumulating) <= TOLERANCE
 
 
+@_KERAS_OPS
 def test_masked_lstm_with_adam_matches_the_dense_embedding_gradient():
     # Keras 3 hands Adam an Embedding gradient as IndexedSlices and squares
     # each occurrence of a repeated token separately, so its result depends
@@ -274,7 +282,11 @@ def test_compile_modes(compile_kwargs):
     assert max_weight_difference(plain, accumulating) <= TOLERANCE
 
 
-class _Batches(keras.utils.PyDataset):
+# Keras 3's (Keras 2 has `keras.utils.Sequence`).
+_PyDataset = getattr(keras.utils, "PyDataset", object)
+
+
+class _Batches(_PyDataset):
     def __init__(self, x, y, batch_size):
         super().__init__()
         self.x, self.y, self.batch_size = x, y, batch_size
@@ -292,7 +304,9 @@ def _generator(x, y, batch_size):
         yield x[start:start + batch_size], y[start:start + batch_size]
 
 
-@pytest.mark.parametrize("source", ["py_dataset", "generator"])
+@pytest.mark.parametrize("source", [
+    pytest.param("py_dataset", marks=keras_3_only("keras.utils.PyDataset")),
+    "generator"])
 def test_python_data_sources(source):
     x, y = regression_data(samples=100)
 
@@ -401,6 +415,7 @@ def _branching_net(base, n_gradients=None):
 
 @tensorflow_only("plain Keras on JAX builds the optimizer before a layer "
                  "used only in training exists, and its fit() refuses")
+@_KERAS_OPS
 @pytest.mark.parametrize("before_fit", ["build", "predict", "evaluate"])
 def test_model_used_before_fit_trains_every_weight(before_fit):
     x, y = regression_data(samples=96)
@@ -425,6 +440,7 @@ def test_model_used_before_fit_trains_every_weight(before_fit):
     assert max_weight_difference(plain, accumulating) <= TOLERANCE
 
 
+@_KERAS_OPS
 def test_eager_window_keeps_gradients_only_some_micro_batches_have():
     x, y = regression_data(samples=64)
     # The last micro-batch of the first window needs no `extra`.

@@ -47,13 +47,6 @@ OPTIMIZERS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def keras_2_float32_policy():
-    keras.mixed_precision.set_global_policy("float32")
-    yield
-    keras.mixed_precision.set_global_policy("float32")
-
-
 # Contract ---------------------------------------------------------------
 
 def test_accumulating_model_is_the_processes_keras_2_model():
@@ -113,27 +106,6 @@ def test_window_equals_the_large_batch(name):
     assert max_weight_difference(plain, model) <= TOLERANCE
 
 
-def test_sample_weights_equal_the_large_batch():
-    x, y = regression_data(samples=100)
-    weights = np.random.default_rng(3).uniform(0, 2, size=100)
-    plain, model = fit_both(mlp, OPTIMIZERS["adam"], x, y, 8, 4, fit_kwargs={"sample_weight": weights})
-    assert max_weight_difference(plain, model) <= TOLERANCE
-
-
-@pytest.mark.parametrize("compiled", [{"run_eagerly": True},
-                                      {"jit_compile": True}])
-def test_eager_and_jit_compiled_steps_equal_the_large_batch(compiled):
-    x, y = regression_data(samples=100)
-    plain = mlp(keras.Model)
-    plain.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
-    plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-    model = mlp(AccumulatingModel, n_gradients=4)
-    model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse", **compiled)
-    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    assert iterations(model) == 8
-    assert max_weight_difference(plain, model) <= TOLERANCE
-
-
 def test_sum_reduction_equals_the_large_batch():
     x, y = regression_data(samples=96)
     loss = keras.losses.MeanSquaredError(reduction="sum")
@@ -186,13 +158,6 @@ def _masked_lstm(model_class, **kwargs):
     hidden = keras.layers.LSTM(5, return_sequences=True)(embedded)
     outputs = keras.layers.Dense(1)(hidden)
     return model_class(inputs=inputs, outputs=outputs, **kwargs)
-
-
-def test_masked_sequences_weigh_micro_batches_by_valid_steps():
-    x, y = _padded_sequences()
-    plain, model = fit_both(_masked_lstm, OPTIMIZERS["sgd"], x, y, 6, 4)
-    assert iterations(model) == iterations(plain) == 4
-    assert max_weight_difference(plain, model) <= TOLERANCE
 
 
 class _Net(keras.Model):
@@ -329,34 +294,6 @@ def test_window_carried_over_epochs_equals_its_samples_in_one_batch():
     assert max_weight_difference(model, reference) <= TOLERANCE
 
 
-def test_an_epoch_in_which_no_window_ends_logs_its_micro_batches_loss():
-    # Windows of 16 over epochs of 10 micro-batches: no window ends in
-    # epoch 0, so its loss is all the data's at the initial weights.
-    x, y = regression_data(samples=80)
-    model = mlp(AccumulatingModel, n_gradients=16, flush_each_epoch=False)
-    model.compile(optimizer=OPTIMIZERS["sgd"](), loss="mse")
-    initial = float(np.mean((model.predict(x, verbose=0) - y) ** 2))
-    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
-                        verbose=0).history
-    assert iterations(model) == 2
-    np.testing.assert_allclose(history["loss"][0], initial, rtol=1e-5)
-    assert history["loss"][1] > 0.0
-
-
-def test_data_of_unknown_length_applies_the_last_window():
-    x, y = regression_data(samples=100)
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
-    unknown = dataset.filter(lambda a, b: True)
-    plain = mlp(keras.Model)
-    plain.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
-    plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-    model = mlp(AccumulatingModel, n_gradients=4)
-    model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
-    model.fit(unknown, epochs=2, verbose=0)
-    assert iterations(model) == 8
-    assert max_weight_difference(plain, model) <= TOLERANCE
-
-
 @pytest.mark.parametrize("repeated", [False, True])
 @pytest.mark.parametrize("steps_per_execution", [2, 3])
 def test_executions_of_several_steps_equal_the_large_batch(
@@ -379,42 +316,6 @@ def test_executions_of_several_steps_equal_the_large_batch(
     model.fit(dataset, epochs=2, verbose=0, **fit_kwargs)
     assert iterations(model) == 8
     assert max_weight_difference(plain, model) <= TOLERANCE
-
-
-def test_schedule_trains_each_epoch_like_its_large_batch():
-    x, y = regression_data(samples=96)
-    model = mlp(AccumulatingModel, n_gradients={1: 2, 2: 4})
-    model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
-    model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
-    reference = mlp(keras.Model)
-    reference.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
-    for batch_size in (8, 16, 32):
-        reference.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False,
-                      verbose=0)
-    assert iterations(model) == iterations(reference) == 12 + 6 + 3
-    assert max_weight_difference(model, reference) <= TOLERANCE
-
-
-class _UpdateMarks(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.marked = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.model.update_applied:
-            self.marked.append(batch)
-
-
-def test_update_signal_marks_the_last_micro_batch_of_each_window():
-    x, y = regression_data(samples=80)
-    model = mlp(AccumulatingModel, n_gradients=4)
-    model.compile(optimizer="sgd", loss="mse")
-    marks = _UpdateMarks()
-    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
-              callbacks=[marks])
-    # 10 micro-batches: windows end at 3 and 7, and at 9 with the epoch.
-    assert marks.marked == [3, 7, 9]
-    assert iterations(model) == 3
 
 
 def test_validation_sees_the_epochs_last_window():

@@ -1,13 +1,16 @@
 """Saving and loading: the class, n_gradients and optimizer state come back."""
 
-import keras
 import numpy as np
 
 from accum_model import AccumulatingModel
+from backends import keras_2_too
+from helpers import keras
 from helpers import iterations
 from helpers import max_weight_difference
 from helpers import mlp
 from helpers import regression_data
+
+pytestmark = keras_2_too
 
 
 def test_keras_file_round_trip_and_training_continues(tmp_path):
