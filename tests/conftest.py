@@ -89,13 +89,13 @@ def pytest_collection_modifyitems(items):
         return
     from backends import ON_KERAS_2
 
-    # Under Keras 2 a topic file runs only its tests marked `keras_2_too`
-    # (tests/test_keras2.py is Keras 2's own).
-    keras_3_only = pytest.mark.skip(reason="Keras 3 only")
+    # Under Keras 2 only the tests marked `keras_2_too` run.
+    if not ON_KERAS_2:
+        return
+    skip = pytest.mark.skip(reason="Keras 3 only")
     for item in items:
-        if (ON_KERAS_2 and item.path.name != "test_keras2.py"
-                and item.get_closest_marker("keras_2_too") is None):
-            item.add_marker(keras_3_only)
+        if item.get_closest_marker("keras_2_too") is None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -2,9 +2,10 @@
 
 Runs where `tf.keras` is Keras 2: `.ci/matrix` runs it with
 `TF_USE_LEGACY_KERAS=1` on tensorflow-cpu 2.21.0 + tf-keras 2.21.0, and on
-tensorflow-cpu 2.15.1. Elsewhere the whole module is skipped. Every model
+tensorflow-cpu 2.13.1. Elsewhere the whole module is skipped. Every model
 here is built from `tf.keras`, and every reference is plain Keras 2 with the
-large batch.
+large batch. What the topic files test under Keras 2 too (`keras_2_too`)
+is not repeated here.
 """
 
 import warnings
@@ -14,8 +15,9 @@ import pytest
 import tensorflow as tf
 
 from accum_model import AccumulatingModel
-from accum_model import _chooser
 from accum_model import accumulating
+from backends import ON_KERAS_2
+from backends import keras_2_too
 from helpers import collective_reductions
 from helpers import fit_both
 from helpers import iterations
@@ -25,9 +27,8 @@ from helpers import regression_data
 from helpers import traced_step
 from test_large_batch_check import check_exact_and_misweighted_models
 
-pytestmark = pytest.mark.skipif(
-    _chooser.KERAS_MAJOR != 2, reason="tf.keras is not Keras 2 here"
-)
+pytestmark = [keras_2_too, pytest.mark.skipif(
+    not ON_KERAS_2, reason="tf.keras is not Keras 2 here")]
 
 keras = tf.keras
 TOLERANCE = 1e-5
