@@ -405,6 +405,24 @@ def test_resume_keeps_a_window_of_another_accumulator_dtype(dtype, how,
     assert max_weight_difference(resumed, reference) <= 2e-5
 
 
+@pytest.mark.skipif(not ON_KERAS_2, reason="Keras 2's load_weights of a "
+                    "TensorFlow-format file (Keras 3's files hold any dtype)")
+@pytest.mark.parametrize("saved, loaded", [("float64", "float32"),
+                                           ("float32", "float64")])
+def test_weights_of_a_window_saved_in_another_dtype_are_refused_by_name(
+        saved, loaded, tmp_path):
+    save, load = _save_and_load("weights_file", tmp_path, "sgd",
+                                accumulator_dtype=saved)
+    _first_run_saving("sgd", save, accumulator_dtype=saved)
+    model = compiled("sgd", accumulator_dtype=loaded)
+    model.optimizer.build(model.trainable_variables)
+    with pytest.raises(ValueError, match=f"saved with {saved} accumulators"
+                       ".*accumulator_dtype") as refusal:
+        model.load_weights(weights_file(tmp_path, "mid"))
+    assert ("accumulator_dtype='float64'" in str(refusal.value)) == (
+        saved == "float64")
+
+
 def test_window_loaded_into_another_n_gradients_ends_then_takes_the_new(
         tmp_path):
     # Saved with 2 of 4 micro-batches open; loaded into a model with

@@ -16,6 +16,7 @@ from accum_model.core.class_tree import layers_of
 from accum_model.core.messages import window_is_open
 from accum_model.keras2.package import keras
 from accum_model.tensorflow import train_step as tf_step
+from accum_model.tensorflow.checkpoint import window_dtype_refusal
 
 
 class Keras2ModelDifferences:
@@ -38,7 +39,13 @@ class Keras2ModelDifferences:
         # emptied first, then written where the file holds one (a
         # TensorFlow-format file), rather than kept from before the load.
         self._accumulation.checkpoint.empty()
-        return super().load_weights(filepath, *args, **kwargs)
+        try:
+            return super().load_weights(filepath, *args, **kwargs)
+        except tf.errors.InvalidArgumentError as error:
+            refusal = window_dtype_refusal(error)
+            if refusal is None:
+                raise
+            raise refusal from error
 
 
 def _warn_if_window_is_left_out(model, kind):

@@ -81,6 +81,30 @@ class TensorFlowWindowCheckpoint(SavedInTfCheckpoints, layout.RestoredWindow):
         _write(self._window(), arrays, self._accumulation())
 
 
+def window_dtype_refusal(error):
+    """A `ValueError` naming `accumulator_dtype` for TensorFlow's restore
+    `error` where the error is the window's dtype differing from the
+    file's, else None.
+
+    TensorFlow reads each saved tensor as the dtype the restoring object
+    gives it (the window's: float64 or float32, see `saved_state`) and
+    refuses a file that holds the other.
+    """
+    message = str(getattr(error, "message", error))
+    if ("_window_checkpoint" not in message
+            or "does not equal original dtype" not in message):
+        return None
+    saved_float64 = "original dtype double" in message
+    wanted = ("accumulator_dtype='float64'" if saved_float64 else
+              "another accumulator_dtype than 'float64' (such as the "
+              "default, 'float32')")
+    return ValueError(
+        "The checkpoint's window was saved with "
+        f"{'float64' if saved_float64 else 'float32'} accumulators, and "
+        "this model's window holds the other: build the restoring model "
+        f"with {wanted}.")
+
+
 class _SizerState(SavedInTfCheckpoints):
     """`RestoredWindow.sizer_state` in TensorFlow checkpoints: NaNs while
     there is none."""
