@@ -15,7 +15,6 @@ import pytest
 import tensorflow as tf
 
 from accum_model import AccumulatingModel
-from accum_model import accumulating
 from backends import ON_KERAS_2
 from backends import keras_2_too
 from helpers import collective_reductions
@@ -200,29 +199,6 @@ def test_subclassed_model_equals_the_large_batch_after_functional_use():
     assert max_weight_difference(plain, model) <= TOLERANCE
     assert AccumulatingModel.__bases__[-1] is keras.Model
     assert not issubclass(AccumulatingModel, type(mlp(keras.Model)))
-
-
-def _sequential(model_class):
-    assert model_class is keras.Model
-    keras.utils.set_random_seed(1)
-    return keras.Sequential([
-        keras.Input((6,)),
-        keras.layers.Dense(8, activation="tanh"),
-        keras.layers.Dense(3),
-    ])
-
-
-@pytest.mark.parametrize("build", [mlp, _sequential])
-def test_accumulating_makes_an_existing_model_accumulate(build):
-    x, y = regression_data(samples=100)
-    plain = build(keras.Model)
-    plain.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
-    plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-    model = accumulating(build(keras.Model), n_gradients=4)
-    model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
-    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    assert isinstance(model, AccumulatingModel)
-    assert max_weight_difference(plain, model) <= TOLERANCE
 
 
 def _mean_squared_error_and_gradients(model, x, y):
@@ -533,17 +509,6 @@ def test_keras_file_keeps_the_settings(settings, tmp_path):
     assert max_weight_difference(model, loaded) == 0.0
 
 
-def test_accumulating_functional_model_round_trips_through_keras_file(
-        tmp_path):
-    model = accumulating(mlp(keras.Model), n_gradients=4)
-    model.compile(optimizer="adam", loss="mse")
-    path = str(tmp_path / "model.keras")
-    model.save(path)
-    loaded = keras.models.load_model(path)
-    assert isinstance(loaded, AccumulatingModel)
-    assert loaded.n_gradients == 4
-
-
 @pytest.mark.parametrize("settings", SETTINGS)
 def test_clone_keeps_the_class_and_settings(settings):
     model = mlp(AccumulatingModel, **settings)
@@ -551,18 +516,6 @@ def test_clone_keeps_the_class_and_settings(settings):
     assert isinstance(clone, AccumulatingModel)
     assert clone.n_gradients == settings["n_gradients"]
     assert clone.flush_each_epoch is settings.get("flush_each_epoch", True)
-
-
-def test_clone_of_an_accumulating_sequential_accumulates():
-    keras.utils.set_random_seed(1)
-    sequential = keras.Sequential([keras.layers.Dense(3, input_shape=(6,))])
-    model = accumulating(sequential, n_gradients=4, flush_each_epoch=False)
-    clone = keras.models.clone_model(model)
-    assert isinstance(clone, keras.Sequential)
-    assert isinstance(clone, AccumulatingModel)
-    assert (clone.n_gradients, clone.flush_each_epoch) == (4, False)
-    assert not isinstance(keras.models.clone_model(keras.Sequential(
-        [keras.layers.Dense(3, input_shape=(6,))])), AccumulatingModel)
 
 
 class _Wide(AccumulatingModel):
