@@ -7,7 +7,9 @@ import sys
 import numpy as np
 
 from accum_model import AccumulatingModel
-# The Keras the model trains with: Keras 3, or Keras 2 for tests/test_keras2.py.
+# The Keras the model trains with: Keras 3, or Keras 2 (tf.keras 2) where
+# the process runs it.
+from accum_model._chooser import KERAS_MAJOR
 from accum_model._chooser import keras
 
 # The benchmarks count collectives with the same functions.
@@ -184,3 +186,18 @@ def numpy_of(value):
     if not hasattr(keras, "ops"):
         return np.asarray(value)
     return np.asarray(keras.ops.convert_to_numpy(value))
+
+
+def weights_file(directory, name):
+    """A weights file that holds the open window: Keras 3's `.weights.h5`;
+    under Keras 2, TensorFlow's checkpoint format (its h5 files cannot)."""
+    return str(directory / (f"{name}.weights.h5" if KERAS_MAJOR == 3
+                            else name))
+
+
+def sum_of_squares(values):
+    """A layer's scalar sum of `values` squared, under either Keras."""
+    if KERAS_MAJOR == 2:
+        import tensorflow as tf  # Keras 2 has no keras.ops.
+        return tf.reduce_sum(tf.square(values))
+    return keras.ops.sum(keras.ops.square(values))

@@ -569,52 +569,6 @@ def test_files_that_cannot_hold_an_open_window_warn(tmp_path):
         model.save(str(tmp_path / "model2.keras"))
 
 
-class _SummedPenalty(keras.layers.Layer):
-    def call(self, inputs):
-        self.add_loss(0.01 * tf.reduce_sum(tf.square(inputs)))
-        return inputs
-
-
-def _fit_user_warnings(model, x, y):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
-    return [str(w.message) for w in caught
-            if issubclass(w.category, UserWarning)]
-
-
-@pytest.mark.parametrize("frozen", [False, True])
-def test_training_batch_normalization_is_named(frozen):
-    x, y = regression_data(samples=16)
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((6,))
-    norm = keras.layers.BatchNormalization(name="norm")
-    norm.trainable = not frozen
-    outputs = keras.layers.Dense(3)(norm(keras.layers.Dense(8)(inputs)))
-    model = AccumulatingModel(inputs=inputs, outputs=outputs, n_gradients=2)
-    model.compile(optimizer="sgd", loss="mse")
-    named = [m for m in _fit_user_warnings(model, x, y)
-             if "BatchNormalization layers ['norm']" in m]
-    assert len(named) == (0 if frozen else 1)
-
-
-def test_layers_that_add_losses_are_named():
-    x, y = regression_data(samples=16)
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((6,))
-    hidden = _SummedPenalty(name="penalty")(keras.layers.Dense(8)(inputs))
-    model = AccumulatingModel(inputs=inputs,
-                              outputs=keras.layers.Dense(3)(hidden),
-                              n_gradients=2)
-    model.compile(optimizer="sgd", loss="mse")
-    assert [m for m in _fit_user_warnings(model, x, y)
-            if "Layers ['penalty'] add losses" in m]
-    quiet = mlp(AccumulatingModel, regularizer=keras.regularizers.L2(0.1),
-                n_gradients=2)
-    quiet.compile(optimizer="sgd", loss="mse")
-    assert not [m for m in _fit_user_warnings(quiet, x, y) if "add_loss" in m]
-
-
 def _tanh_regression(model_class, **kwargs):
     """Dense(16, tanh) + Dense(1): the mixed-precision overflow runs' model."""
     keras.utils.set_random_seed(1)

@@ -18,6 +18,7 @@ from backends import not_on_jax
 from backends import tensorflow_only
 from helpers import iterations, keras, max_weight_difference, mlp
 from helpers import regression_data
+from helpers import weights_file
 
 if ON_TENSORFLOW:
     import tensorflow as tf
@@ -28,12 +29,6 @@ MICRO_BATCHES = 10  # windows of 4, 4, then 2 flushed at the epoch's end
 SAVED_AFTER = 6  # two micro-batches into the second window
 
 pytestmark = keras_2_too
-
-
-def weights_file(directory, name):
-    """A weights file that holds the open window: Keras 3's `.weights.h5`;
-    under Keras 2, TensorFlow's checkpoint format (its h5 files cannot)."""
-    return str(directory / (name if ON_KERAS_2 else f"{name}.weights.h5"))
 
 
 def make_optimizer(name):

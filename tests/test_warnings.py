@@ -4,14 +4,19 @@ window that `train_on_batch` left open."""
 
 import warnings
 
-import keras
 import numpy as np
 import pytest
 
 from accum_model import AccumulatingModel
 from accum_model import accumulating
 from accum_model._chooser import adapter
+from backends import keras_2_too
+from helpers import keras
 from helpers import regression_data
+from helpers import sum_of_squares
+from helpers import weights_file
+
+pytestmark = keras_2_too
 
 
 def _conv_bn(model_class=AccumulatingModel, frozen=False, **kwargs):
@@ -145,7 +150,7 @@ def test_without_accumulation_nothing_is_said():
 
 class _SummedPenalty(keras.layers.Layer):
     def call(self, inputs):
-        self.add_loss(0.01 * keras.ops.sum(keras.ops.square(inputs)))
+        self.add_loss(0.01 * sum_of_squares(inputs))
         return inputs
 
 
@@ -201,7 +206,7 @@ def test_a_window_restored_from_a_checkpoint_is_continued_quietly(tmp_path):
     model = _with_layer(None)
     model.compile(optimizer="sgd", loss="mse")
     model.train_on_batch(x[:4], y[:4])
-    path = str(tmp_path / "mid_window.weights.h5")
+    path = weights_file(tmp_path, "mid_window")
     model.save_weights(path)
     resumed = _with_layer(None)
     resumed.compile(optimizer="sgd", loss="mse")
