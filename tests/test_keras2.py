@@ -56,13 +56,6 @@ def test_accumulating_model_is_the_processes_keras_2_model():
     assert model.n_gradients == 4
 
 
-def test_bad_n_gradients_is_refused_by_name():
-    with pytest.raises(ValueError, match="n_gradients"):
-        mlp(AccumulatingModel, n_gradients=0)
-    with pytest.raises(TypeError, match="n_gradients"):
-        mlp(AccumulatingModel, n_gradient=4)
-
-
 def test_keras_3_layers_inside_are_refused_by_name():
     other = pytest.importorskip("keras")
     if other.__version__.startswith("2."):
@@ -81,18 +74,6 @@ def test_keras_3_layers_inside_are_refused_by_name():
     model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(ValueError, match="another Keras"):
         model.fit(x, y, batch_size=8, verbose=0)
-
-
-def test_loss_without_reduction_is_refused_before_training():
-    x, y = regression_data()
-    model = mlp(AccumulatingModel, n_gradients=4)
-    model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(
-        reduction="none"))
-    before = model.get_weights()
-    with pytest.raises(ValueError, match="reduction"):
-        model.fit(x, y, batch_size=8, verbose=0)
-    assert all(np.array_equal(a, b)
-               for a, b in zip(before, model.get_weights()))
 
 
 # Exactness --------------------------------------------------------------
@@ -997,13 +978,6 @@ def test_window_from_noise_scale_resumes_with_backup_and_restore(
     np.testing.assert_allclose(resumed["window_learning_rate"],
                                whole["window_learning_rate"][2:], rtol=1e-5)
     assert max_weight_difference(model, whole_model) <= TOLERANCE
-
-
-def test_fit_before_compile_gives_keras_own_error():
-    x, y = regression_data(samples=16)
-    for model in (mlp(keras.Model), mlp(AccumulatingModel, n_gradients=2)):
-        with pytest.raises(RuntimeError, match="compile"):
-            model.fit(x, y, batch_size=8, verbose=0)
 
 
 # The check users run on their own model --------------------------------
