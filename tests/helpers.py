@@ -180,10 +180,24 @@ def run_example(path, *arguments, timeout=300):
     return result.returncode, json.loads(lines[-1])
 
 
+def run_script_printing_ok(script):
+    """Runs `script` in a new Python process, `{keras}` in it standing for
+    the module of the Keras the suite trains with, and checks that it exits
+    cleanly after printing "ok"."""
+    import subprocess
+
+    result = subprocess.run(
+        [sys.executable, "-c", script.replace("{keras}", keras.__name__)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("ok")
+
+
 def numpy_of(value):
     """A variable's or tensor's value as a NumPy array, on any backend (and
     under Keras 2, whose values are TensorFlow's)."""
-    if not hasattr(keras, "ops"):
+    if KERAS_MAJOR == 2:
         return np.asarray(value)
     return np.asarray(keras.ops.convert_to_numpy(value))
 

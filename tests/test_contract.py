@@ -13,6 +13,7 @@ from helpers import iterations
 from helpers import max_weight_difference
 from helpers import mlp
 from helpers import regression_data
+from helpers import run_script_printing_ok
 from helpers import windows_reference
 
 pytestmark = keras_2_too
@@ -403,16 +404,7 @@ print("ok")
     "order", ["functional, subclassed", "subclassed, functional"]
 )
 def test_functional_and_subclassed_use_in_one_process(order):
-    import subprocess
-    import sys
-
-    result = subprocess.run(
-        [sys.executable, "-c", _BOTH_USES.replace("{order}", order).replace(
-            "{keras}", keras.__name__)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().endswith("ok")
+    run_script_printing_ok(_BOTH_USES.replace("{order}", order))
 
 
 def test_ci_runs_the_readme_test_command():

@@ -4,9 +4,6 @@ No use of a class may change another class; settings survive clones; a
 misspelt constructor argument is an error, not a silent default.
 """
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -19,6 +16,7 @@ from helpers import keras
 from helpers import max_weight_difference
 from helpers import mlp
 from helpers import regression_data
+from helpers import run_script_printing_ok
 
 pytestmark = keras_2_too
 
@@ -185,13 +183,7 @@ print("ok")
     "'functional', 'mixed', 'subclassed', 'mixed', 'plain', 'functional'",
 ])
 def test_every_kind_of_class_in_any_order_changes_no_class(order):
-    result = subprocess.run(
-        [sys.executable, "-c", _ANY_ORDER.replace("{order}", order).replace(
-            "{keras}", keras.__name__)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().endswith("ok")
+    run_script_printing_ok(_ANY_ORDER.replace("{order}", order))
 
 
 # accumulating(model) ---------------------------------------------------------

@@ -406,12 +406,12 @@ def test_resume_keeps_a_window_of_another_accumulator_dtype(dtype, how,
                                            ("float32", "float64")])
 def test_weights_of_a_window_saved_in_another_dtype_are_refused_by_name(
         saved, loaded, tmp_path):
-    save, load = _save_and_load("weights_file", tmp_path, "sgd",
-                                accumulator_dtype=saved)
+    save, _ = _save_and_load("weights_file", tmp_path, "sgd",
+                             accumulator_dtype=saved)
     _first_run_saving("sgd", save, accumulator_dtype=saved)
     model = compiled("sgd", accumulator_dtype=loaded)
     model.optimizer.build(model.trainable_variables)
-    with pytest.raises(ValueError, match=f"saved with {saved} accumulators"
+    with pytest.raises(ValueError, match=f"window is saved as {saved},"
                        ".*accumulator_dtype") as refusal:
         model.load_weights(weights_file(tmp_path, "mid"))
     assert ("accumulator_dtype='float64'" in str(refusal.value)) == (

@@ -91,18 +91,20 @@ def window_dtype_refusal(error):
     refuses a file that holds the other.
     """
     message = str(getattr(error, "message", error))
+    # `_window_checkpoint`: the model's attribute that holds this object
+    # (accumulating_model.py), in the saved tensor's name.
     if ("_window_checkpoint" not in message
             or "does not equal original dtype" not in message):
         return None
-    saved_float64 = "original dtype double" in message
-    wanted = ("accumulator_dtype='float64'" if saved_float64 else
+    saved = "float64" if "original dtype double" in message else "float32"
+    wanted = ("accumulator_dtype='float64'" if saved == "float64" else
               "another accumulator_dtype than 'float64' (such as the "
               "default, 'float32')")
     return ValueError(
-        "The checkpoint's window was saved with "
-        f"{'float64' if saved_float64 else 'float32'} accumulators, and "
-        "this model's window holds the other: build the restoring model "
-        f"with {wanted}.")
+        f"The checkpoint's window is saved as {saved}, and this model's "
+        "window is saved as the other (float64 accumulators as float64, "
+        "any other as float32): build the restoring model with "
+        f"{wanted}.")
 
 
 class _SizerState(SavedInTfCheckpoints):
