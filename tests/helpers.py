@@ -215,3 +215,29 @@ def sum_of_squares(values):
         import tensorflow as tf  # Keras 2 has no keras.ops.
         return tf.reduce_sum(tf.square(values))
     return keras.ops.sum(keras.ops.square(values))
+
+
+def loss_scale_optimizer(optimizer):
+    """`optimizer` under Keras's dynamic loss scaling, under either Keras
+    (Keras 2 keeps its `LossScaleOptimizer` in `keras.mixed_precision`)."""
+    if KERAS_MAJOR == 2:
+        return keras.mixed_precision.LossScaleOptimizer(optimizer)
+    return keras.optimizers.LossScaleOptimizer(optimizer)
+
+
+class ScaledFrom(keras.optimizers.schedules.LearningRateSchedule):
+    """The large batch's learning rate where a window grows: `schedule`
+    times `factor` from the update `start` on."""
+
+    def __init__(self, schedule, factor, start):
+        super().__init__()
+        self.schedule, self.factor, self.start = schedule, factor, start
+
+    def __call__(self, step):
+        if KERAS_MAJOR == 2:
+            import tensorflow as tf  # Keras 2 has no keras.ops.
+            where, cast = tf.where, tf.cast
+        else:
+            where, cast = keras.ops.where, keras.ops.cast
+        return self.schedule(step) * where(
+            cast(step, "float32") >= self.start, self.factor, 1.0)

@@ -17,6 +17,7 @@ import tensorflow as tf
 from accum_model import AccumulatingModel
 from backends import ON_KERAS_2
 from backends import keras_2_too
+from helpers import ScaledFrom
 from helpers import collective_reductions
 from helpers import fit_both
 from helpers import iterations
@@ -25,6 +26,8 @@ from helpers import mlp
 from helpers import regression_data
 from helpers import traced_step
 from test_large_batch_check import check_exact_and_misweighted_models
+from test_noise_scale import _linear_data
+from test_noise_scale import _linear_model
 
 pytestmark = [keras_2_too, pytest.mark.skipif(
     not ON_KERAS_2, reason="tf.keras is not Keras 2 here")]
@@ -814,50 +817,19 @@ def test_keras_3_layers_anywhere_are_refused_by_name(placement):
                for a, b in zip(before, model.get_weights()))
 
 
-def test_noise_scale_is_the_data_sets():
-    # Closed form (see tests/test_noise_scale.py): linear regression at
-    # kernel and bias 0, learning rate 0, every sample's gradient in numpy.
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(8192, 4)).astype("float32")
-    y = (x @ np.array([1.0, -0.5, 0.8, 0.3], np.float32)
-         + 2.0 * rng.normal(size=8192)).astype("float32")[:, None]
-    residual = -y[:, 0].astype(np.float64)
-    per_sample = np.concatenate(
-        [2 * residual[:, None] * x, 2 * residual[:, None]], axis=1
-    )
-    mean = per_sample.mean(axis=0)
-    reference = ((per_sample - mean) ** 2).sum(axis=1).mean() / (mean @ mean)
-    inputs = keras.Input((4,))
-    outputs = keras.layers.Dense(1, kernel_initializer="zeros")(inputs)
-    model = AccumulatingModel(inputs, outputs, n_gradients=4,
-                              measure_noise_scale=True)
-    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
-    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0).history
-    np.testing.assert_allclose(history["noise_scale"], reference, rtol=0.15)
-
-
-@pytest.mark.parametrize("make_optimizer", [
-    lambda: keras.optimizers.SGD(1e-4),
-    lambda: keras.optimizers.legacy.SGD(1e-4),
-], ids=["optimizer", "legacy_optimizer"])
-def test_window_from_noise_scale_sizes_the_window_and_learning_rate(
-        make_optimizer):
-    # The linear regression above, learning rate 1e-4: the noise scale
-    # grows as the loss falls, and the window and the learning rate
-    # ("linear") follow it, as on Keras 3 (test_window_from_noise_scale.py),
-    # with either kind of Keras 2 optimizer (the legacy one keeps its
-    # learning rate among its hyperparameters).
+def test_window_from_noise_scale_moves_a_legacy_optimizers_learning_rate():
+    # The linear regression of test_noise_scale.py, learning rate 1e-4: the
+    # noise scale grows as the loss falls, and the window and the learning
+    # rate ("linear") follow it, as test_window_from_noise_scale.py checks
+    # with Keras 2's optimizers; a legacy one keeps its learning rate among
+    # its hyperparameters.
     from accum_model import WindowFromNoiseScale
 
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(8192, 4)).astype("float32")
-    y = (x @ np.array([1.0, -0.5, 0.8, 0.3], np.float32)
-         + 2.0 * rng.normal(size=8192)).astype("float32")[:, None]
-    model = _noise_regression(AccumulatingModel, n_gradients=2,
-                              measure_noise_scale=True)
+    x, y = _linear_data(8192)
+    model = _linear_model(n_gradients=2, measure_noise_scale=True)
     # Many steps per execution: thousands of micro-batches, each costing
     # Python's overhead otherwise.
-    model.compile(optimizer=make_optimizer(), loss="mse",
+    model.compile(optimizer=keras.optimizers.legacy.SGD(1e-4), loss="mse",
                   steps_per_execution=64)
     history = model.fit(x, y, batch_size=4, epochs=3, verbose=0, callbacks=[
         WindowFromNoiseScale(learning_rate="linear")]).history
@@ -872,47 +844,25 @@ def test_window_from_noise_scale_sizes_the_window_and_learning_rate(
         history["window_learning_rate"][-1], rel=1e-5)
 
 
-def _noise_regression(model_class, **settings):
-    inputs = keras.Input((4,))
-    outputs = keras.layers.Dense(1, kernel_initializer="zeros")(inputs)
-    return model_class(inputs, outputs, **settings)
-
-
-class _ScaledFrom(keras.optimizers.schedules.LearningRateSchedule):
-    """`schedule` times `factor` from the update `start` on."""
-
-    def __init__(self, schedule, factor, start):
-        super().__init__()
-        self.schedule, self.factor, self.start = schedule, factor, start
-
-    def __call__(self, step):
-        return self.schedule(step) * tf.where(
-            tf.cast(step, tf.float32) >= self.start, self.factor, 1.0)
-
-
 @pytest.mark.parametrize("later_fit", [False, True],
                          ids=["first_fit", "later_fit"])
-@pytest.mark.parametrize("legacy", [False, True],
-                         ids=["optimizer", "legacy_optimizer"])
-def test_window_from_noise_scale_scales_a_schedule_as_the_large_batch(
-        legacy, later_fit):
+def test_window_from_noise_scale_scales_a_legacy_schedule_as_the_large_batch(
+        later_fit):
     # The window goes from 2 to 4 after the first epoch: the "linear" rule
-    # doubles the decaying schedule from there, and plain Keras 2 with the
-    # large batch (8, then 16) and the schedule doubled from the same
-    # update agrees (test_window_from_noise_scale.py on Keras 3). Added in
-    # a later fit(), the rule reaches the step the first one traced.
+    # doubles the decaying schedule of a legacy optimizer from there, and
+    # plain Keras 2 with the large batch (8, then 16) and the schedule
+    # doubled from the same update agrees (test_window_from_noise_scale.py
+    # with Keras 2's optimizers). Added in a later fit(), the rule reaches
+    # the step the first one traced.
     from accum_model import WindowFromNoiseScale
-
-    optimizer_class = (keras.optimizers.legacy.SGD if legacy
-                       else keras.optimizers.SGD)
 
     def decaying():
         return keras.optimizers.schedules.ExponentialDecay(0.05, 32, 0.5)
 
     x, y = regression_data(samples=512, features=4, outputs=1)
-    model = _noise_regression(AccumulatingModel, n_gradients=2,
-                              measure_noise_scale=True)
-    model.compile(optimizer=optimizer_class(decaying(), momentum=0.9),
+    model = _linear_model(n_gradients=2, measure_noise_scale=True)
+    model.compile(optimizer=keras.optimizers.legacy.SGD(decaying(),
+                                                        momentum=0.9),
                   loss="mse")
     if later_fit:
         model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
@@ -921,9 +871,9 @@ def test_window_from_noise_scale_scales_a_schedule_as_the_large_batch(
                             min_n_gradients=4, max_n_gradients=4,
                             learning_rate="linear")]).history
     start = 128 if later_fit else 64
-    reference = _noise_regression(keras.Model)
-    reference.compile(optimizer=optimizer_class(
-        _ScaledFrom(decaying(), 2.0, start), momentum=0.9), loss="mse")
+    reference = _linear_model(keras.Model)
+    reference.compile(optimizer=keras.optimizers.legacy.SGD(
+        ScaledFrom(decaying(), 2.0, start), momentum=0.9), loss="mse")
     reference.fit(x, y, batch_size=8, epochs=start // 64, shuffle=False,
                   verbose=0)
     reference.fit(x, y, batch_size=16, shuffle=False, verbose=0)
@@ -933,51 +883,6 @@ def test_window_from_noise_scale_scales_a_schedule_as_the_large_batch(
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
     assert history["window_learning_rate"][0] == pytest.approx(
         2 * float(decaying()(start)), rel=1e-6)
-
-
-class _StopAfterSecondEpoch(keras.callbacks.Callback):
-    def on_epoch_end(self, epoch, logs=None):
-        if epoch == 1:
-            raise RuntimeError("interrupted")
-
-
-@pytest.mark.parametrize("schedule", [False, True],
-                         ids=["float", "schedule"])
-def test_window_from_noise_scale_resumes_with_backup_and_restore(
-        tmp_path, schedule):
-    # Keras 2's BackupAndRestore writes a TensorFlow checkpoint: the
-    # callback's state rides in it beside the window, and the resumed
-    # epochs size, scale and train as the uninterrupted run's.
-    from accum_model import WindowFromNoiseScale
-
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(4096, 4)).astype("float32")
-    y = (x @ np.array([1.0, -0.5, 0.8, 0.3], np.float32)
-         + 2.0 * rng.normal(size=4096)).astype("float32")[:, None]
-
-    def fit(callbacks):
-        model = _noise_regression(AccumulatingModel, n_gradients=2,
-                                  measure_noise_scale=True)
-        rate = (keras.optimizers.schedules.ExponentialDecay(2e-4, 1000, 0.5)
-                if schedule else 2e-4)
-        model.compile(optimizer=keras.optimizers.SGD(rate), loss="mse",
-                      steps_per_execution=64)
-        return model, model.fit(
-            x, y, batch_size=4, epochs=4, shuffle=False, verbose=0,
-            callbacks=[WindowFromNoiseScale(learning_rate="linear")]
-            + callbacks).history
-
-    whole_model, whole = fit([])
-    backup = str(tmp_path / "backup")
-    with pytest.raises(RuntimeError, match="interrupted"):
-        fit([keras.callbacks.BackupAndRestore(backup),
-             _StopAfterSecondEpoch()])
-    model, resumed = fit([keras.callbacks.BackupAndRestore(backup)])
-    assert whole["window_n_gradients"][1] != 2
-    assert resumed["window_n_gradients"] == whole["window_n_gradients"][2:]
-    np.testing.assert_allclose(resumed["window_learning_rate"],
-                               whole["window_learning_rate"][2:], rtol=1e-5)
-    assert max_weight_difference(model, whole_model) <= TOLERANCE
 
 
 # The check users run on their own model --------------------------------

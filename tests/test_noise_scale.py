@@ -9,19 +9,24 @@ was computed at.
 
 import csv
 
-import keras
 import numpy as np
 import pytest
 
 from accum_model import AccumulatingModel
 from accum_model import accumulating
 from backends import ON_TENSORFLOW
+from backends import keras_2_too
 from backends import tensorflow_only
+from helpers import keras
+from helpers import loss_scale_optimizer
 from helpers import mlp
 from helpers import regression_data
+from helpers import weights_file
 
 if ON_TENSORFLOW:
     import tensorflow as tf
+
+pytestmark = keras_2_too
 
 _TRUE_KERNEL = np.array([1.0, -0.5, 0.8, 0.3], np.float32)
 
@@ -190,11 +195,12 @@ def test_a_window_restored_open_is_not_measured(tmp_path):
     model = _linear_model(n_gradients=4, measure_noise_scale=True)
     model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
     model.train_on_batch(x[:8], y[:8])
-    model.save_weights(tmp_path / "open.weights.h5")
+    path = weights_file(tmp_path, "open")
+    model.save_weights(path)
     restored = _linear_model(n_gradients=4, measure_noise_scale=True)
     restored.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
     restored.train_on_batch(x[8:16], y[8:16])
-    restored.load_weights(tmp_path / "open.weights.h5")
+    restored.load_weights(path)
     window = restored._accumulation.window
     assert restored._accumulation.open_micro_steps() == 1
     assert float(window.noise_measurable.read_value()) == 0.0
@@ -244,8 +250,8 @@ def test_mixed_precision_gives_the_float32_estimate():
     outputs = keras.layers.Activation("linear", dtype="float32")(hidden)
     model = AccumulatingModel(inputs, outputs, n_gradients=4,
                               measure_noise_scale=True)
-    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
-        keras.optimizers.SGD(0.0)), loss="mse")
+    model.compile(optimizer=loss_scale_optimizer(keras.optimizers.SGD(0.0)),
+                  loss="mse")
     keras.utils.set_random_seed(0)
     history = model.fit(x, y, batch_size=8, epochs=1, verbose=0).history
     np.testing.assert_allclose(history["noise_scale"],

@@ -10,15 +10,19 @@ before training.
 import contextlib
 import math
 
-import keras
 import numpy as np
 import pytest
 
 from accum_model import AccumulatingModel
 from accum_model import WindowFromNoiseScale
 from accum_model import accumulating
+from backends import ON_KERAS_2
 from backends import ON_TORCH
+from backends import keras_2_too
+from helpers import ScaledFrom
 from helpers import iterations
+from helpers import keras
+from helpers import numpy_of
 from test_noise_scale import _linear_data
 from test_noise_scale import _linear_model
 from test_noise_scale import _reference_noise_scale
@@ -28,6 +32,8 @@ MICRO_BATCH = 4
 # micro-batches, and each costs Python's overhead otherwise (Keras refuses
 # more than one on PyTorch).
 STEPS_PER_EXECUTION = 1 if ON_TORCH else 64
+
+pytestmark = keras_2_too
 
 
 def _fit(sizer, learning_rate=1e-4, epochs=5, model=None, x=None, y=None,
@@ -106,7 +112,7 @@ def test_learning_rate_rules_give_their_values(rule):
             / (1 + noise / (scale * 2 * MICRO_BATCH)),
         }[rule]
         assert logged == pytest.approx(expected, rel=1e-5)
-    assert float(keras.ops.convert_to_numpy(
+    assert float(numpy_of(
         model.optimizer.learning_rate)) == pytest.approx(
             history["window_learning_rate"][-1], rel=1e-5)
 
@@ -222,11 +228,14 @@ def test_windows_kept_across_epochs_are_refused():
 
 
 def test_a_callable_learning_rate_with_a_rule_is_refused():
+    # Keras 2's optimizers (TF 2.11+) turn a callable learning rate into a
+    # variable, which a rule scales as a float; its legacy ones keep it.
+    optimizers = keras.optimizers.legacy if ON_KERAS_2 else keras.optimizers
     _refused_before_training(
         _linear_model(n_gradients=2, measure_noise_scale=True),
         "LearningRateSchedule subclass",
         sizer=WindowFromNoiseScale(learning_rate="linear"),
-        optimizer=keras.optimizers.SGD(lambda: 0.01))
+        optimizer=optimizers.SGD(lambda: 0.01))
 
 
 def _multi_optimizer():
@@ -266,21 +275,8 @@ def test_a_schedule_runs_untouched_without_a_rule():
     assert model.optimizer._learning_rate is schedule
     updates = iterations(model)
     assert history["window_learning_rate"][-1] == pytest.approx(
-        float(keras.ops.convert_to_numpy(schedule(updates))), rel=1e-6)
+        float(numpy_of(schedule(updates))), rel=1e-6)
     assert isinstance(model, AccumulatingModel)
-
-
-class _ScaledFrom(keras.optimizers.schedules.LearningRateSchedule):
-    """The large batch's reference: `schedule` times `factor` from the
-    update `start` on."""
-
-    def __init__(self, schedule, factor, start):
-        self.schedule, self.factor, self.start = schedule, factor, start
-
-    def __call__(self, step):
-        rate = self.schedule(step)
-        return rate * keras.ops.where(
-            keras.ops.cast(step, "float32") >= self.start, self.factor, 1.0)
 
 
 def _decaying():
@@ -309,7 +305,7 @@ def test_a_rule_scales_a_schedule_as_the_large_batch(replicas, request):
                 learning_rate="linear")]).history
     reference = _linear_model(keras.Model)
     reference.compile(optimizer=keras.optimizers.SGD(
-        _ScaledFrom(_decaying(), 2.0, first_epoch_updates), momentum=0.9),
+        ScaledFrom(_decaying(), 2.0, first_epoch_updates), momentum=0.9),
         loss="mse")
     reference.fit(x, y, batch_size=2 * MICRO_BATCH, shuffle=False, verbose=0)
     reference.fit(x, y, batch_size=4 * MICRO_BATCH, shuffle=False, verbose=0)
@@ -318,7 +314,7 @@ def test_a_rule_scales_a_schedule_as_the_large_batch(replicas, request):
     for ours, theirs in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
     assert history["window_learning_rate"][0] == pytest.approx(
-        2 * float(keras.ops.convert_to_numpy(
+        2 * float(numpy_of(
             _decaying()(first_epoch_updates))), rel=1e-6)
 
 
@@ -338,7 +334,7 @@ def test_a_rule_added_in_a_later_fit_scales_the_schedule_it_traced():
                                         learning_rate="linear")]).history
     reference = _linear_model(keras.Model)
     reference.compile(optimizer=keras.optimizers.SGD(
-        _ScaledFrom(_decaying(), 2.0, 2 * updates_per_epoch), momentum=0.9),
+        ScaledFrom(_decaying(), 2.0, 2 * updates_per_epoch), momentum=0.9),
         loss="mse")
     reference.fit(x, y, batch_size=2 * MICRO_BATCH, epochs=2, shuffle=False,
                   verbose=0)
@@ -348,7 +344,7 @@ def test_a_rule_added_in_a_later_fit_scales_the_schedule_it_traced():
     for ours, theirs in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
     assert history["window_learning_rate"][0] == pytest.approx(
-        2 * float(keras.ops.convert_to_numpy(
+        2 * float(numpy_of(
             _decaying()(2 * updates_per_epoch))), rel=1e-6)
 
 
@@ -367,7 +363,7 @@ def test_a_scaled_schedule_is_saved_with_the_model(tmp_path):
     model.save(path)
     loaded = keras.saving.load_model(path)
     rate = loaded.optimizer._learning_rate
-    assert type(rate).__name__ == "WindowScaledSchedule"
+    assert type(rate).__name__.endswith("WindowScaledSchedule")
     assert rate.scale_value() == 2.0
     for trained in (model, loaded):
         trained.fit(x, y, batch_size=MICRO_BATCH, epochs=1, shuffle=False,
