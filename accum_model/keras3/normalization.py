@@ -10,6 +10,7 @@ private `_moments(inputs, mask)` and then moves `moving_mean` and
 """
 
 import keras
+from keras import ops
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
 
@@ -28,3 +29,13 @@ def is_symbolic_call():
     call `compute_output_spec` makes when a layer builds, inside the
     private `SymbolicScope`), whose moments are no micro-batch's."""
     return in_symbolic_scope()
+
+
+def masked_element_counts(layer, inputs, mask):
+    """Float32 [channels]: the elements each channel's moments cover, as
+    `_moments` counts them under `mask` (one dimension less than the
+    inputs, broadcast over the last axis): those it leaves in."""
+    weights = ops.broadcast_to(
+        ops.expand_dims(ops.cast(mask, "float32"), -1), ops.shape(inputs))
+    return ops.reshape(ops.sum(weights, axis=tuple(layer._reduction_axes)),
+                       [int(layer.moving_mean.shape[0])])

@@ -33,6 +33,7 @@ from accum_model.core import arithmetic
 from accum_model.core.class_tree import layers_of
 from accum_model.keras3.stateless_ops import KERAS_OPS
 from accum_model.keras3.normalization import is_symbolic_call
+from accum_model.keras3.normalization import masked_element_counts
 from accum_model.keras3.normalization import pools_moving_statistics
 from accum_model.keras3.loop import calls_in_graph
 
@@ -137,14 +138,10 @@ class PooledStatistics:
     def element_counts(self, layer, inputs, mask):
         """Float32 [channels]: the elements each channel's moments cover
         (every element of the reduced axes, or those the mask leaves in)."""
-        channels = int(layer.moving_mean.shape[0])
-        axes = tuple(layer._reduction_axes)
-        if mask is None:
-            return ops.full([channels], unmasked_count(layer, inputs),
-                            "float32")
-        weights = ops.broadcast_to(
-            ops.expand_dims(ops.cast(mask, "float32"), -1), inputs.shape)
-        return ops.reshape(ops.sum(weights, axis=axes), [channels])
+        if mask is not None:
+            return masked_element_counts(layer, inputs, mask)
+        return ops.full([int(layer.moving_mean.shape[0])],
+                        unmasked_count(layer, inputs), "float32")
 
     def keep_moving(self, new_values, old_values):
         """`new_values` (the step's non-trainable values) with each pooled

@@ -20,6 +20,7 @@ import threading
 import tensorflow as tf
 
 from accum_model.keras3.normalization import is_symbolic_call
+from accum_model.keras3.normalization import masked_element_counts
 from accum_model.keras3.normalization import pools_moving_statistics
 from accum_model.tensorflow.batch_statistics import RecordedStatistics
 from accum_model.tensorflow.batch_statistics import StatisticsCall
@@ -124,27 +125,21 @@ def _assign_unless_recording(variable):
 
 def _element_counts(layer, inputs, mask):
     """Float32, the elements each channel's moments cover: a scalar for
-    every channel, or [channels] under a mask.
+    every channel, or [channels] under a mask (`masked_element_counts`).
 
-    As `_moments` counts them: every element of the reduced axes, or those
-    its mask (one dimension less than the inputs, broadcast over the last
-    axis) leaves in. Under `synchronized=True` the moments are the global
-    batch's and the count this replica's: summed over replicas, each
-    replica's share weighs the same global moments.
+    Under `synchronized=True` the moments are the global batch's and the
+    count this replica's: summed over replicas, each replica's share weighs
+    the same global moments.
     """
+    if mask is not None:
+        return masked_element_counts(layer, inputs, mask)
+    # The reduced axes hold every element but the channels'.
     channels = int(layer.moving_mean.shape[0])
-    axes = list(layer._reduction_axes)
-    if mask is None:
-        # The reduced axes hold every element but the channels'.
-        if inputs.shape.is_fully_defined():
-            return tf.constant(inputs.shape.num_elements() // channels,
-                               tf.float32)
-        return tf.cast(tf.size(inputs, out_type=tf.int64) // channels,
-                       tf.float32)
-    weights = tf.broadcast_to(
-        tf.expand_dims(tf.cast(mask, tf.float32), -1), tf.shape(inputs)
-    )
-    return tf.reshape(tf.reduce_sum(weights, axis=axes), [channels])
+    if inputs.shape.is_fully_defined():
+        return tf.constant(inputs.shape.num_elements() // channels,
+                           tf.float32)
+    return tf.cast(tf.size(inputs, out_type=tf.int64) // channels,
+                   tf.float32)
 
 
 # Attributes replaced in objects' own dicts (writing the dict keeps Keras's
