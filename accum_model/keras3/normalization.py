@@ -1,5 +1,5 @@
-"""Which normalization layers a window takes the moving statistics of, on
-every Keras 3 backend.
+"""Which normalization layers a window takes the moving statistics of, and
+how many elements a masked call's moments cover, on every Keras 3 backend.
 
 Checked on keras 3.6.0, 3.10.0 and 3.15.1. Keras 3's `BatchNormalization`
 (`keras.src.layers.normalization.batch_normalization`), in a training call
@@ -7,6 +7,8 @@ of a trainable layer without `renorm`, takes the batch's moments from its
 private `_moments(inputs, mask)` and then moves `moving_mean` and
 `moving_variance` once each; each backend's module (`tensorflow_normalization`,
 `stateless_normalization`) records those moments and suppresses the moves.
+Under a mask `_moments` weighs each element by it (`layer._reduction_axes`
+are the axes it reduces).
 """
 
 import keras
