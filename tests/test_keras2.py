@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 from accum_model import AccumulatingModel
+from accum_model import WindowFromNoiseScale
 from backends import ON_KERAS_2
 from backends import keras_2_too
 from helpers import ScaledFrom
@@ -823,8 +824,6 @@ def test_window_from_noise_scale_moves_a_legacy_optimizers_learning_rate():
     # rate ("linear") follow it, as test_window_from_noise_scale.py checks
     # with Keras 2's optimizers; a legacy one keeps its learning rate among
     # its hyperparameters.
-    from accum_model import WindowFromNoiseScale
-
     x, y = _linear_data(8192)
     model = _linear_model(n_gradients=2, measure_noise_scale=True)
     # Many steps per execution: thousands of micro-batches, each costing
@@ -854,8 +853,6 @@ def test_window_from_noise_scale_scales_a_legacy_schedule_as_the_large_batch(
     # doubled from the same update agrees (test_window_from_noise_scale.py
     # with Keras 2's optimizers). Added in a later fit(), the rule reaches
     # the step the first one traced.
-    from accum_model import WindowFromNoiseScale
-
     def decaying():
         return keras.optimizers.schedules.ExponentialDecay(0.05, 32, 0.5)
 
