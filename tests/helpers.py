@@ -217,12 +217,30 @@ def sum_of_squares(values):
     return keras.ops.sum(keras.ops.square(values))
 
 
-def loss_scale_optimizer(optimizer):
-    """`optimizer` under Keras's dynamic loss scaling, under either Keras
-    (Keras 2 keeps its `LossScaleOptimizer` in `keras.mixed_precision`)."""
+# Keras's dynamic loss-scaling optimizer (Keras 2 keeps it in
+# `keras.mixed_precision`).
+LossScaleOptimizer = (keras.mixed_precision.LossScaleOptimizer
+                      if KERAS_MAJOR == 2
+                      else keras.optimizers.LossScaleOptimizer)
+
+
+def loss_scale_optimizer(optimizer, **kwargs):
+    """`optimizer` under Keras's dynamic loss scaling, under either Keras."""
+    return LossScaleOptimizer(optimizer, **kwargs)
+
+
+def loss_scale(optimizer):
+    """Float: a `LossScaleOptimizer`'s current scale, under either Keras."""
     if KERAS_MAJOR == 2:
-        return keras.mixed_precision.LossScaleOptimizer(optimizer)
-    return keras.optimizers.LossScaleOptimizer(optimizer)
+        return float(optimizer.loss_scale)
+    return float(optimizer.dynamic_scale.numpy())
+
+
+def counted_steps(steps, skipped):
+    """What an optimizer's `iterations` reads after `steps` steps under
+    dynamic loss scaling, `skipped` of them skipped for overflow: Keras 2's
+    `LossScaleOptimizer` counts a skipped step, Keras 3's does not."""
+    return steps if KERAS_MAJOR == 2 else steps - skipped
 
 
 class ScaledFrom(keras.optimizers.schedules.LearningRateSchedule):

@@ -4,20 +4,20 @@ devices (JAX)."""
 
 import contextlib
 
-import keras
 import numpy as np
 import pytest
 
-
-from backends import jax_only
-from backends import tensorflow_only
-
 from accum_model import AccumulatingModel
-from accum_model.keras3.losses import activity_penalty_is_a_mean
+from backends import ON_KERAS_2
+from backends import jax_only
+from backends import keras_2_too
+from backends import keras_3_only
+from backends import tensorflow_only
 from helpers import BatchMeanLoss
 from helpers import aligned_copy
 from helpers import fit_both
 from helpers import iterations
+from helpers import keras
 from helpers import max_weight_difference
 from helpers import mlp
 from helpers import numpy_of
@@ -29,6 +29,8 @@ from test_batch_normalization import masked_tokens_bn
 from test_exactness import OPTIMIZERS
 from test_exactness import _masked_lstm
 from test_exactness import _padded_sequences
+
+pytestmark = keras_2_too
 
 TOLERANCE = 1e-5
 
@@ -65,8 +67,11 @@ def test_regularized_layers_under_two_replicas_match_one_device(
     # On JAX each device's copy of a regularized weight has the same
     # penalty, counted once; each device's share of an activity penalty
     # adds up to the whole batch's, as plain Keras's step takes it.
-    if where == "activity" and not activity_penalty_is_a_mean():
-        pytest.skip("this Keras sums an activity penalty over the batch")
+    if where == "activity" and not ON_KERAS_2:
+        from accum_model.keras3.losses import activity_penalty_is_a_mean
+
+        if not activity_penalty_is_a_mean():
+            pytest.skip("this Keras sums an activity penalty over the batch")
     x, y = regression_data(samples=64)
     plain, accumulating = fit_both(
         _regularized_mlp(where), OPTIMIZERS["adam"], x, y, micro_batch=8,
@@ -280,6 +285,8 @@ def test_subclassed_model_under_two_replicas(two_replicas):
 
 
 @tensorflow_only("tf.distribute's datasets from a function")
+@keras_3_only("Keras 2's fit() takes a distributed dataset only with "
+              "steps_per_epoch, which never reaches the empty last step")
 @pytest.mark.parametrize("flush_each_epoch", [True, False])
 def test_datasets_from_a_function_match_one_device(two_replicas,
                                                    flush_each_epoch):
@@ -356,7 +363,10 @@ def test_a_generator_of_views_of_the_users_arrays_is_left_alone(
     assert max_weight_difference(plain, model) <= TOLERANCE
 
 
-@pytest.mark.parametrize("shape", ["scalar_output", "batch_mean_loss"])
+@pytest.mark.parametrize("shape", [
+    "scalar_output",
+    pytest.param("batch_mean_loss",
+                 marks=keras_3_only("the loss is written with keras.ops"))])
 def test_losses_keras_leaves_undivided_match_one_device(two_replicas, shape):
     # Keras divides a reduced loss by the replicas, but not one that is a
     # scalar before reduction; the window must equal one device either way.
@@ -387,7 +397,8 @@ def test_losses_keras_leaves_undivided_match_one_device(two_replicas, shape):
     # Keras's logs under replicas are not one device's, for its own step
     # too (plain keras 3.6, same weights, learning rate 0: 0.9007 under two
     # replicas, 0.8829 on one device), so this is not checked there.
-    if not hasattr(keras.src.losses.loss, "scale_loss_for_distribution"):
+    if not ON_KERAS_2 and not hasattr(keras.src.losses.loss,
+                                      "scale_loss_for_distribution"):
         return
     one_device = make(AccumulatingModel, n_gradients=4)
     one_device.compile(optimizer=OPTIMIZERS["sgd"](), loss=loss)
