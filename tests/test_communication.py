@@ -8,24 +8,28 @@ step reduces the gradient as plain Keras's step does, and the window end
 adds nothing.
 """
 
-import keras
 import numpy as np
 import pytest
 
 from accum_model import AccumulatingModel
 from accum_model import _chooser
-from helpers import batch_norm_mlp
-
 from backends import jax_only
+from backends import keras_2_too
 from backends import tensorflow_only
+from helpers import LossScaleOptimizer
+from helpers import batch_norm_mlp
 from helpers import collective_reductions
 from helpers import compiled_jax_step
-from helpers import jax_all_reduces
 from helpers import iterations
+from helpers import jax_all_reduces
+from helpers import keras
 from helpers import max_weight_difference
 from helpers import mlp
 from helpers import regression_data
 from helpers import traced_step
+from helpers import weights_file
+
+pytestmark = keras_2_too
 
 ONE_PER_WINDOW = {"every_step": 0, "conditional": 1}
 
@@ -76,8 +80,7 @@ def test_one_reduction_per_window_under_loss_scaling(two_replicas):
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         model = _compiled(two_replicas, mlp, {}, {})
-        assert isinstance(model.optimizer,
-                          keras.optimizers.LossScaleOptimizer)
+        assert isinstance(model.optimizer, LossScaleOptimizer)
         counts = collective_reductions(
             traced_step(model, two_replicas, x, y), 2)
     finally:
@@ -115,7 +118,7 @@ def test_a_window_ended_early_or_restored_reduces_once(two_replicas,
     apply_open = model._accumulation.window_end._make_apply_open()
     graph = apply_open.get_concrete_function().graph.as_graph_def()
     assert collective_reductions(graph, 2) == ONE_PER_WINDOW
-    path = str(tmp_path / "open.weights.h5")
+    path = weights_file(tmp_path, "open")
     model.save_weights(path)
     restored = _compiled(two_replicas, mlp, {"clipnorm": 1.0}, {},
                          flush_each_epoch=False)

@@ -19,13 +19,11 @@ from accum_model import WindowFromNoiseScale
 from backends import ON_KERAS_2
 from backends import keras_2_too
 from helpers import ScaledFrom
-from helpers import collective_reductions
 from helpers import fit_both
 from helpers import iterations
 from helpers import max_weight_difference
 from helpers import mlp
 from helpers import regression_data
-from helpers import traced_step
 from test_large_batch_check import check_exact_and_misweighted_models
 from test_mixed_precision import _tanh_regression
 from test_noise_scale import _linear_data
@@ -37,16 +35,10 @@ pytestmark = [keras_2_too, pytest.mark.skipif(
 keras = tf.keras
 TOLERANCE = 1e-5
 
+# Every kind of optimizer, clipping and schedule is test_exactness.py's.
 OPTIMIZERS = {
     "sgd": lambda: keras.optimizers.SGD(0.1),
-    "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
     "adam": lambda: keras.optimizers.Adam(0.01),
-    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
-    "adam_clipnorm": lambda: keras.optimizers.Adam(0.01, clipnorm=0.05),
-    "sgd_global_clipnorm": lambda: keras.optimizers.SGD(
-        0.1, global_clipnorm=0.05),
-    "adam_schedule": lambda: keras.optimizers.Adam(
-        keras.optimizers.schedules.ExponentialDecay(0.02, 1, 0.5)),
     "legacy_sgd_momentum": lambda: keras.optimizers.legacy.SGD(
         0.1, momentum=0.9),
 }
@@ -82,15 +74,6 @@ def test_keras_3_layers_inside_are_refused_by_name():
 
 
 # Exactness --------------------------------------------------------------
-
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_window_equals_the_large_batch(name):
-    # 100 samples: the last micro-batch of each epoch holds 4 samples.
-    x, y = regression_data(samples=100)
-    plain, model = fit_both(mlp, OPTIMIZERS[name], x, y, 8, 4)
-    assert iterations(model) == iterations(plain) == 8
-    assert max_weight_difference(plain, model) <= TOLERANCE
-
 
 def test_sum_reduction_equals_the_large_batch():
     x, y = regression_data(samples=96)
@@ -301,18 +284,6 @@ def test_validation_sees_the_epochs_last_window():
 
 
 # Distribution -----------------------------------------------------------
-
-@pytest.mark.parametrize("name", ["sgd", "adam_clipnorm"])
-def test_one_reduction_per_window_under_replicas(name, two_replicas):
-    # The window's totals and its gradient sums travel in one collective;
-    # the optimizer is told not to sum again (skip_gradients_aggregation).
-    x, y = regression_data(samples=64)
-    with two_replicas.scope():
-        model = mlp(AccumulatingModel, n_gradients=4)
-        model.compile(optimizer=OPTIMIZERS[name](), loss="mse")
-    counts = collective_reductions(traced_step(model, two_replicas, x, y), 2)
-    assert counts == {"every_step": 0, "conditional": 1}
-
 
 def test_several_workers_are_refused_by_name():
     # One worker is enough to build the strategy; Keras 2 is not run with
