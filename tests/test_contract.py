@@ -13,7 +13,6 @@ from helpers import iterations
 from helpers import max_weight_difference
 from helpers import mlp
 from helpers import regression_data
-from helpers import run_script_printing_ok
 from helpers import windows_reference
 
 pytestmark = keras_2_too
@@ -358,53 +357,6 @@ def test_unsupported_strategy_is_refused_before_training():
     x, y = regression_data(samples=16)
     with pytest.raises(ValueError, match="CentralStorageStrategy"):
         model.fit(x, y, batch_size=8, verbose=0)
-
-
-_BOTH_USES = """
-import os, sys
-os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-import {keras} as keras, numpy as np
-from accum_model import AccumulatingModel
-
-bases_before = AccumulatingModel.__bases__
-
-def functional():
-    inputs = keras.Input((3,))
-    model = AccumulatingModel(inputs=inputs,
-                              outputs=keras.layers.Dense(2)(inputs),
-                              n_gradients=2)
-    return model
-
-class Net(AccumulatingModel):
-    def __init__(self, **kwargs):
-        super().__init__(n_gradients=2, **kwargs)
-        self.dense = keras.layers.Dense(2)
-
-    def call(self, inputs):
-        return self.dense(inputs)
-
-def subclassed():
-    return Net()
-
-x = np.ones((8, 3), "float32")
-y = np.zeros((8, 2), "float32")
-for make in [{order}]:
-    model = make()
-    model.compile(optimizer="sgd", loss="mse")
-    model.fit(x, y, batch_size=4, verbose=0)
-    assert int(model.optimizer.iterations.numpy()) == 1
-    assert isinstance(model, AccumulatingModel)
-    assert type(model).__name__ in ("AccumulatingModel", "Net")
-assert AccumulatingModel.__bases__ == bases_before
-print("ok")
-"""
-
-
-@pytest.mark.parametrize(
-    "order", ["functional, subclassed", "subclassed, functional"]
-)
-def test_functional_and_subclassed_use_in_one_process(order):
-    run_script_printing_ok(_BOTH_USES.replace("{order}", order))
 
 
 def test_ci_runs_the_readme_test_command():

@@ -172,6 +172,9 @@ for name in [{order}]:
     expected = 2 if name == "plain" else 1
     assert int(model.optimizer.iterations.numpy()) == expected, name
     assert isinstance(model, AccumulatingModel) == (name != "plain"), name
+    # Not swapped for Keras's `Functional`.
+    assert type(model).__name__ in ("Plain", "Mixed", "Net",
+                                    "AccumulatingModel"), name
 assert {c: c.__bases__ for c in bases} == bases
 print("ok")
 """
