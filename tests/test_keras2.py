@@ -129,47 +129,6 @@ def _masked_lstm(model_class, **kwargs):
     return model_class(inputs=inputs, outputs=outputs, **kwargs)
 
 
-class _Net(keras.Model):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.hidden = keras.layers.Dense(8, activation="tanh")
-        self.out = keras.layers.Dense(3)
-
-    def call(self, inputs):
-        return self.out(self.hidden(inputs))
-
-
-class _AccumulatingNet(AccumulatingModel):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.hidden = keras.layers.Dense(8, activation="tanh")
-        self.out = keras.layers.Dense(3)
-
-    def call(self, inputs):
-        return self.out(self.hidden(inputs))
-
-
-def test_subclassed_model_equals_the_large_batch_after_functional_use():
-    # A functional AccumulatingModel first: Keras 2 would inject
-    # `Functional` into the class's bases, breaking subclasses built later.
-    mlp(AccumulatingModel, n_gradients=2)
-    x, y = regression_data(samples=100)
-    keras.utils.set_random_seed(1)
-    plain = _Net()
-    plain.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
-    plain(x[:1])
-    model = _AccumulatingNet(n_gradients=4)
-    model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
-    model(x[:1])
-    model.set_weights(plain.get_weights())
-    plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    assert iterations(model) == iterations(plain) == 8
-    assert max_weight_difference(plain, model) <= TOLERANCE
-    assert AccumulatingModel.__bases__[-1] is keras.Model
-    assert not issubclass(AccumulatingModel, type(mlp(keras.Model)))
-
-
 def _mean_squared_error_and_gradients(model, x, y):
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
@@ -220,26 +179,6 @@ def test_train_step_applying_the_optimizer_itself_is_warned_about():
 
 # Epochs -----------------------------------------------------------------
 
-def test_window_carried_over_epochs_equals_its_samples_in_one_batch():
-    # 13 micro-batches per epoch (the last of 4 samples), windows of 4
-    # carried over: 26 micro-batches make windows of 4 x 6 and one of 2,
-    # applied at the end of training.
-    x, y = regression_data(samples=100)
-    model = mlp(AccumulatingModel, n_gradients=4, flush_each_epoch=False)
-    model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
-    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-
-    micro_batches = [np.arange(i, min(i + 8, 100)) for i in range(0, 100, 8)]
-    micro_batches = micro_batches * 2
-    reference = mlp(keras.Model)
-    reference.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
-    for start in range(0, len(micro_batches), 4):
-        window = np.concatenate(micro_batches[start:start + 4])
-        reference.train_on_batch(x[window], y[window])
-    assert iterations(model) == iterations(reference) == 7
-    assert max_weight_difference(model, reference) <= TOLERANCE
-
-
 @pytest.mark.parametrize("repeated", [False, True])
 @pytest.mark.parametrize("steps_per_execution", [2, 3])
 def test_executions_of_several_steps_equal_the_large_batch(
@@ -262,25 +201,6 @@ def test_executions_of_several_steps_equal_the_large_batch(
     model.fit(dataset, epochs=2, verbose=0, **fit_kwargs)
     assert iterations(model) == 8
     assert max_weight_difference(plain, model) <= TOLERANCE
-
-
-def test_validation_sees_the_epochs_last_window():
-    # The logged `loss` stays the training loss though validation refills
-    # the metric it is read from (with another loss: other targets).
-    x, y = regression_data(samples=100)
-    validation = (x[:40], -3 * y[:40])
-    plain = mlp(keras.Model)
-    plain.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
-    expected = plain.fit(x, y, batch_size=32, epochs=2, shuffle=False,
-                         verbose=0, validation_data=validation)
-    model = mlp(AccumulatingModel, n_gradients=4)
-    model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
-    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False,
-                        verbose=0, validation_data=validation)
-    for name in ("loss", "val_loss"):
-        np.testing.assert_allclose(history.history[name],
-                                   expected.history[name], rtol=1e-5,
-                                   err_msg=name)
 
 
 # Distribution -----------------------------------------------------------
