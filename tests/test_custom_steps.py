@@ -3,7 +3,6 @@
 import contextlib
 import warnings
 
-import keras
 import numpy as np
 import pytest
 
@@ -12,8 +11,10 @@ from backends import ON_JAX
 from backends import ON_TENSORFLOW
 from backends import ON_TORCH
 from backends import jax_only
+from backends import keras_2_too
 from backends import tensorflow_only
 from helpers import iterations
+from helpers import keras
 from helpers import max_weight_difference
 from helpers import mlp
 from helpers import regression_data
@@ -26,6 +27,8 @@ elif ON_TORCH:
 else:
     import jax
     import jax.numpy as jnp
+
+pytestmark = keras_2_too
 
 # The steps below are TensorFlow's (a tape, stateful variables); JAX's
 # stateless step is at the end.

@@ -129,54 +129,6 @@ def _masked_lstm(model_class, **kwargs):
     return model_class(inputs=inputs, outputs=outputs, **kwargs)
 
 
-def _mean_squared_error_and_gradients(model, x, y):
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
-    return loss, tape.gradient(loss, model.trainable_variables)
-
-
-class _TapeStep(AccumulatingModel):
-    """A Keras 2 style `train_step` handing its gradients to the window."""
-
-    def train_step(self, data):
-        x, y = data
-        loss, gradients = _mean_squared_error_and_gradients(self, x, y)
-        self.accumulate_gradients(gradients, weight=tf.size(y),
-                                  batch_size=tf.shape(x)[0])
-        return {"loss": loss}
-
-
-class _ApplyingStep(AccumulatingModel):
-    """The pattern that silently stops accumulating."""
-
-    def train_step(self, data):
-        x, y = data
-        loss, gradients = _mean_squared_error_and_gradients(self, x, y)
-        self.optimizer.apply_gradients(zip(gradients,
-                                           self.trainable_variables))
-        return {"loss": loss}
-
-
-@pytest.mark.parametrize("replicas", [1, 2])
-def test_own_train_step_accumulates_like_the_large_batch(replicas,
-                                                        two_replicas):
-    x, y = regression_data(samples=100)
-    strategy = two_replicas if replicas == 2 else None
-    plain, model = fit_both(lambda cls, **kw: mlp(
-                                _TapeStep if cls is AccumulatingModel
-                                else cls, **kw), OPTIMIZERS["adam"], x, y, 8, 4, strategy=strategy)
-    assert iterations(model) == iterations(plain) == 8
-    assert max_weight_difference(plain, model) <= TOLERANCE
-
-
-def test_train_step_applying_the_optimizer_itself_is_warned_about():
-    x, y = regression_data()
-    model = mlp(_ApplyingStep, n_gradients=4)
-    model.compile(optimizer="sgd", loss="mse")
-    with pytest.warns(UserWarning, match="accumulate_gradients"):
-        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
-
-
 # Epochs -----------------------------------------------------------------
 
 @pytest.mark.parametrize("repeated", [False, True])
