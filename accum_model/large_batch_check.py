@@ -290,7 +290,7 @@ def _random_layers(model):
     """The model's layers that draw random numbers in training."""
     return [layer for layer in adapter.layers_of(model)[1:]
             if _random_switch(layer) is not None
-            or getattr(layer, "seed_generator", None) is not None]
+            or adapter.draws_random_numbers(layer)]
 
 
 def _random_switch(layer):

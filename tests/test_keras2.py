@@ -24,7 +24,6 @@ from helpers import iterations
 from helpers import max_weight_difference
 from helpers import mlp
 from helpers import regression_data
-from test_large_batch_check import check_exact_and_misweighted_models
 from test_mixed_precision import _tanh_regression
 from test_noise_scale import _linear_data
 from test_noise_scale import _linear_model
@@ -542,9 +541,3 @@ def test_window_from_noise_scale_scales_a_legacy_schedule_as_the_large_batch(
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
     assert history["window_learning_rate"][0] == pytest.approx(
         2 * float(decaying()(start)), rel=1e-6)
-
-
-# The check users run on their own model --------------------------------
-
-def test_the_large_batch_check_finds_exact_and_misweighted_models():
-    check_exact_and_misweighted_models()

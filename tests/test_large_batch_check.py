@@ -5,7 +5,7 @@ Each case builds a model as a user would, runs the check, and asserts its
 verdict against what is known of the model: exact where accumulation is, a
 difference where the loss misweighs micro-batches, Dropout explained by
 switching it off in the copies. Runs on every Keras 3 backend and on
-Keras 2 (`tests/test_keras2.py` runs the last test's function there).
+Keras 2.
 """
 
 import numpy as np
@@ -13,8 +13,12 @@ import pytest
 
 from accum_model import AccumulatingModel
 from accum_model import compare_with_large_batch
-from accum_model._chooser import keras
+from backends import keras_2_too
+from helpers import KERAS_MAJOR
+from helpers import keras
 from helpers import regression_data
+
+pytestmark = keras_2_too
 
 
 def _model(model_class=None, dropout=0.0, loss="mse", **kwargs):
@@ -37,9 +41,9 @@ def _summed_over_batch(y_true, y_pred):
     return total((y_true - y_pred) ** 2) / 8.0
 
 
-def check_exact_and_misweighted_models():
-    """The check's verdicts on an exact model (with a short last window)
-    and on a loss that misweighs micro-batches; shared with Keras 2."""
+def test_exact_model_matches_and_misweighted_loss_is_found():
+    # An exact model (with a short last window), and a loss that misweighs
+    # micro-batches.
     x, y = regression_data(samples=100)
     exact = compare_with_large_batch(_model(), x, y, batch_size=8,
                                      n_gradients=4, steps=4)
@@ -60,10 +64,6 @@ def check_exact_and_misweighted_models():
     assert "differs from the large batch" in str(misweighted)
 
 
-def test_exact_model_matches_and_misweighted_loss_is_found():
-    check_exact_and_misweighted_models()
-
-
 def test_dropout_is_explained_by_switching_it_off_in_the_copies():
     x, y = regression_data(samples=96)
     result = compare_with_large_batch(_model(dropout=0.3), x, y,
@@ -76,18 +76,35 @@ def test_dropout_is_explained_by_switching_it_off_in_the_copies():
                for cause in result.causes), result.causes
 
 
-class _Noise(keras.layers.Layer):
-    """Random in training, with no rate or stddev to set to 0."""
+if KERAS_MAJOR == 2:
+    import tensorflow as tf
 
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.seed_generator = keras.random.SeedGenerator(5)
+    class _Noise(keras.__internal__.layers.BaseRandomLayer):
+        """Random in training, with no rate or stddev to set to 0 (Keras
+        2's base of random layers, as its GaussianNoise draws)."""
 
-    def call(self, inputs, training=False):
-        if not training:
-            return inputs
-        return inputs + 0.3 * keras.random.normal(
-            keras.ops.shape(inputs), seed=self.seed_generator)
+        def __init__(self, **kwargs):
+            super().__init__(seed=5, **kwargs)
+
+        def call(self, inputs, training=False):
+            if not training:
+                return inputs
+            return inputs + 0.3 * self._random_generator.random_normal(
+                tf.shape(inputs))
+else:
+    class _Noise(keras.layers.Layer):
+        """Random in training, with no rate or stddev to set to 0."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            # Any attribute name: Keras tracks the generator.
+            self.noise_seed = keras.random.SeedGenerator(5)
+
+        def call(self, inputs, training=False):
+            if not training:
+                return inputs
+            return inputs + 0.3 * keras.random.normal(
+                keras.ops.shape(inputs), seed=self.noise_seed)
 
 
 def test_a_random_layer_that_cannot_be_switched_off_is_named():

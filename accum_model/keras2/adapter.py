@@ -68,6 +68,14 @@ class Keras2Adapter(Adapter):
     accumulate_gradients = staticmethod(tf_step.accumulate_gradients)
 
     @staticmethod
+    def draws_random_numbers(layer):
+        """Whether `layer` holds a random generator of its own: Keras 2's
+        `BaseRandomLayer` (Dropout, GaussianNoise, a user's own random
+        layer) keeps it in its private `_random_generator` (checked on keras
+        2.13.1 and tf-keras 2.21.0)."""
+        return getattr(layer, "_random_generator", None) is not None
+
+    @staticmethod
     def logs_for_reduction(logs, strategy):
         """Keras 2 reduces the step's scalar logs over workers itself."""
         del strategy

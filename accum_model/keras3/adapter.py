@@ -48,3 +48,10 @@ class Keras3Adapter(Adapter):
     micro_steps_in_epoch = staticmethod(loop.micro_steps_in_epoch)
     model_keyword_arguments = staticmethod(loop.model_keyword_arguments)
     steps_per_execution = staticmethod(loop.steps_per_execution)
+
+    @staticmethod
+    def draws_random_numbers(layer):
+        """Whether `layer` holds a random generator of its own: Keras 3
+        tracks every `SeedGenerator` a layer is given in its private
+        `_seed_generators` (checked on keras 3.6.0 and 3.15.1)."""
+        return bool(getattr(layer, "_seed_generators", ()))
