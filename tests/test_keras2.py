@@ -72,7 +72,7 @@ def test_keras_3_layers_inside_are_refused_by_name():
         model.fit(x, y, batch_size=8, verbose=0)
 
 
-# Exactness --------------------------------------------------------------
+# Losses -----------------------------------------------------------------
 
 def test_sum_reduction_equals_the_large_batch():
     x, y = regression_data(samples=96)
