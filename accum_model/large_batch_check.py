@@ -187,6 +187,13 @@ def compare_with_large_batch(model, x, y=None, *, batch_size, n_gradients,
     checked = difference if without_random is None else without_random
     matches = checked <= FLOOR_FACTOR * floor
     causes = _causes(random_layers, still_random, matches, settings)
+    replicas = adapter.replicas_in_sync(model)
+    if replicas > 1 and adapter.plain_step_sums_replicas():
+        causes.append(
+            f"this Keras's own step sums the {replicas} replicas' mean "
+            "losses (keras before 3.8), so the plain copies took "
+            f"{replicas} times the one-device gradient while accumulation "
+            "follows one device: check on one device, or with keras>=3.8")
     causes += [f"the accumulating copy warned: {message}"
                for message in new_warnings]
     return LargeBatchComparison(

@@ -13,6 +13,7 @@ import pytest
 
 from accum_model import AccumulatingModel
 from accum_model import compare_with_large_batch
+from accum_model._chooser import adapter
 from backends import keras_2_too
 from helpers import KERAS_MAJOR
 from helpers import keras
@@ -181,5 +182,12 @@ def test_a_model_under_two_replicas_is_checked_under_them(two_replicas):
         model = _model()
         result = compare_with_large_batch(model, x, y, batch_size=8,
                                           n_gradients=4, steps=3)
+    if adapter.plain_step_sums_replicas():
+        # keras 3.6 and 3.7: the plain copies' step strays from one device
+        # (by 1.7e-5 here, Adam on twice the gradient), and is named.
+        assert not result.matches
+        assert len(result.causes) == 1
+        assert "sums the 2 replicas' mean losses" in result.causes[0]
+        return
     assert result.matches, str(result)
     assert result.causes == ()

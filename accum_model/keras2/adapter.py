@@ -76,6 +76,11 @@ class Keras2Adapter(Adapter):
         return getattr(layer, "_random_generator", None) is not None
 
     @staticmethod
+    def plain_step_sums_replicas():
+        """Keras 2's own step divides each loss by the replicas."""
+        return False
+
+    @staticmethod
     def logs_for_reduction(logs, strategy):
         """Keras 2 reduces the step's scalar logs over workers itself."""
         del strategy

@@ -55,3 +55,12 @@ class Keras3Adapter(Adapter):
         tracks every `SeedGenerator` a layer is given in its private
         `_seed_generators` (checked on keras 3.6.0 and 3.15.1)."""
         return bool(getattr(layer, "_seed_generators", ()))
+
+    @staticmethod
+    def plain_step_sums_replicas():
+        """Whether Keras's own training step sums the replicas' mean losses
+        (so that, under N replicas, it takes N times the one-device
+        gradient): keras 3.6 and 3.7, which have no
+        `keras.src.losses.loss.scale_loss_for_distribution` (3.8 added it)."""
+        return not hasattr(losses.keras_loss_module,
+                           "scale_loss_for_distribution")
