@@ -224,11 +224,6 @@ LossScaleOptimizer = (keras.mixed_precision.LossScaleOptimizer
                       else keras.optimizers.LossScaleOptimizer)
 
 
-def loss_scale_optimizer(optimizer, **kwargs):
-    """`optimizer` under Keras's dynamic loss scaling, under either Keras."""
-    return LossScaleOptimizer(optimizer, **kwargs)
-
-
 def loss_scale(optimizer):
     """Float: a `LossScaleOptimizer`'s current scale, under either Keras."""
     if KERAS_MAJOR == 2:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from accum_model import AccumulatingModel
+from accum_model._chooser import adapter
 from backends import ON_KERAS_2
 from backends import jax_only
 from backends import keras_2_too
@@ -397,8 +398,7 @@ def test_losses_keras_leaves_undivided_match_one_device(two_replicas, shape):
     # Keras's logs under replicas are not one device's, for its own step
     # too (plain keras 3.6, same weights, learning rate 0: 0.9007 under two
     # replicas, 0.8829 on one device), so this is not checked there.
-    if not ON_KERAS_2 and not hasattr(keras.src.losses.loss,
-                                      "scale_loss_for_distribution"):
+    if adapter.plain_step_sums_replicas():
         return
     one_device = make(AccumulatingModel, n_gradients=4)
     one_device.compile(optimizer=OPTIMIZERS["sgd"](), loss=loss)

@@ -18,7 +18,6 @@ from helpers import fit_both
 from helpers import iterations
 from helpers import keras
 from helpers import loss_scale
-from helpers import loss_scale_optimizer
 from helpers import max_weight_difference
 from helpers import mlp
 from helpers import numpy_of
@@ -36,8 +35,8 @@ OPTIMIZERS = {
 
 
 def _explicit_loss_scaling(make_optimizer):
-    return lambda: loss_scale_optimizer(make_optimizer(),
-                                        initial_scale=2.0**12)
+    return lambda: LossScaleOptimizer(make_optimizer(),
+                                      initial_scale=2.0**12)
 
 
 def _fit_under(policy, make_optimizer, x, y, strategy=None, epochs=2):
@@ -158,7 +157,7 @@ def test_scale_grows_with_updates_not_micro_batches():
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = mlp(AccumulatingModel, n_gradients=4)
     model.compile(
-        optimizer=loss_scale_optimizer(
+        optimizer=LossScaleOptimizer(
             OPTIMIZERS["sgd"](), initial_scale=2.0**8,
             dynamic_growth_steps=2,
         ),
@@ -203,8 +202,8 @@ def test_overridden_scaling_hooks_are_used(policy):
         # At the default initial scale (2**15) the doubled loss overflows
         # float16 under Keras 2, as plain Keras 2's large batch with its
         # loss scaled twice over does; a lower scale leaves room.
-        return loss_scale_optimizer(keras.optimizers.SGD(learning_rate),
-                                    initial_scale=2.0**10)
+        return LossScaleOptimizer(keras.optimizers.SGD(learning_rate),
+                                  initial_scale=2.0**10)
 
     model = mlp(DoubledGradients, n_gradients=4)
     model.compile(optimizer=optimizer(0.05), loss="mse")

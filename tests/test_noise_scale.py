@@ -17,8 +17,8 @@ from accum_model import accumulating
 from backends import ON_TENSORFLOW
 from backends import keras_2_too
 from backends import tensorflow_only
+from helpers import LossScaleOptimizer
 from helpers import keras
-from helpers import loss_scale_optimizer
 from helpers import mlp
 from helpers import regression_data
 from helpers import weights_file
@@ -250,7 +250,7 @@ def test_mixed_precision_gives_the_float32_estimate():
     outputs = keras.layers.Activation("linear", dtype="float32")(hidden)
     model = AccumulatingModel(inputs, outputs, n_gradients=4,
                               measure_noise_scale=True)
-    model.compile(optimizer=loss_scale_optimizer(keras.optimizers.SGD(0.0)),
+    model.compile(optimizer=LossScaleOptimizer(keras.optimizers.SGD(0.0)),
                   loss="mse")
     keras.utils.set_random_seed(0)
     history = model.fit(x, y, batch_size=8, epochs=1, verbose=0).history
