@@ -29,6 +29,8 @@ class WindowLifecycle:
             `LossScaling`), or None before training is set up.
         checkpoint: The `WindowCheckpoint` that files carry, set by the
             model (its class depends on the Keras and the backend).
+        update_signal: What callbacks read to learn whether a run of the
+            train function applied an update (set by the backend).
         epoch: Int. The 0-based epoch being trained.
         weight_from_batch_size: Bool. Whether micro-batches are weighted by
             their number of samples (a loss whose divisor is unknown).
@@ -113,7 +115,26 @@ class WindowLifecycle:
         if epoch is not None:
             self.epoch = epoch
 
+    def set_up(self, loss_scaling, run_eagerly, report_loss=None,
+               float16_gradients=None):
+        """Decides, once per compiled set-up, how windows are applied.
+
+        Args:
+            loss_scaling: The compiled optimizer's duties.
+            run_eagerly: Bool. Whether the model trains eagerly.
+            report_loss: Callable `(loss, samples)` that logs a window's
+                loss, or None.
+            float16_gradients: Callable taking the trainable variables and
+                returning, for each, whether the large batch's gradient of
+                it is float16; or None (none is).
+        """
+        raise NotImplementedError
+
     # What users read -------------------------------------------------------
+
+    def watch_updates(self, train_function, optimizer):
+        """`train_function`, noting the updates applied before each run."""
+        return self.update_signal.watching(train_function, optimizer)
 
     def window_left_open(self):
         """Micro-batches of an open window that no checkpoint restored.

@@ -1,14 +1,14 @@
-"""Which normalization layers a window takes the moving statistics of, and
-how many elements a masked call's moments cover, on every Keras 3 backend.
+"""Keras 3's `BatchNormalization` as every backend's window sees it.
 
-Checked on keras 3.6.0, 3.10.0 and 3.15.1. Keras 3's `BatchNormalization`
-(`keras.src.layers.normalization.batch_normalization`), in a training call
-of a trainable layer without `renorm`, takes the batch's moments from its
-private `_moments(inputs, mask)` and then moves `moving_mean` and
-`moving_variance` once each; each backend's module (`tensorflow_normalization`,
-`stateless_normalization`) records those moments and suppresses the moves.
-Under a mask `_moments` weighs each element by it (`layer._reduction_axes`
-are the axes it reduces).
+Checked on keras 3.6.0, 3.10.0 and 3.15.1 (and, for JAX and PyTorch, with
+jax 0.10.2 and torch 2.13.0): in a training call of a trainable layer
+without `renorm`, the layer takes the batch's moments from its private
+`_moments(inputs, mask)`, weighing each element by the mask over
+`layer._reduction_axes`, then assigns `moving_mean` and `moving_variance`
+once each. Each backend's module records those moments and keeps the
+assigns from moving the statistics: `tensorflow_normalization`,
+`stateless_normalization` (JAX) and `torch_normalization`. A layer whose
+class overrides `call` is left alone.
 """
 
 import keras

@@ -1,15 +1,10 @@
 """BatchNormalization's moving statistics, pooled over a window on JAX and
-PyTorch.
+PyTorch (what Keras does is in `normalization`).
 
-Checked on keras 3.15.1 with jax 0.10.2 and torch 2.13.0. As on TensorFlow
-(see `tensorflow_normalization`), Keras 3's `BatchNormalization`, in a
-training call of a trainable layer without `renorm`, takes the batch's
-moments from its private `_moments(inputs, mask)` and then assigns
-`moving_mean` and `moving_variance`; in Keras's stateless call (JAX) those
-assigns become the step's new non-trainable values, in a stateful call
-(PyTorch) they would move the variables (`torch_normalization` keeps
-them). During a micro step each pooled layer's moments are recorded and its
-moving values kept as they were; the window sums the moments (`core.arithmetic.statistics_terms`) and moves
+In Keras's stateless call (JAX) the layer's assigns become the step's new
+non-trainable values, which are put back as they were; PyTorch's stateful
+call is kept from moving them by `torch_normalization`. The window sums
+each micro-batch's moments (`core.arithmetic.statistics_terms`) and moves
 the statistics once, when it ends (`pooled_moving_statistics`), whether
 its update is applied or skipped for overflow, as the large batch's
 forward pass would.

@@ -138,9 +138,6 @@ class StatelessAccumulation(WindowLifecycle):
 
     # What users read -------------------------------------------------------
 
-    def watch_updates(self, train_function, optimizer):
-        return self.update_signal.watching(train_function, optimizer)
-
     def micro_batch_share(self):
         """1/n inside the step (see `arithmetic.micro_batch_share`); 1.0
         outside it."""
@@ -165,7 +162,7 @@ class StatelessAccumulation(WindowLifecycle):
 
     def set_up(self, loss_scaling, run_eagerly, report_loss=None,
                float16_gradients=None):
-        del run_eagerly, report_loss
+        del run_eagerly, report_loss  # The step logs the window's loss.
         self.loss_scaling = loss_scaling
         self._float16_gradients = float16_gradients
         self._apply_open = None

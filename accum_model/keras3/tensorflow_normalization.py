@@ -1,17 +1,8 @@
-"""BatchNormalization's moving statistics, taken over for a window.
-
-Checked on keras 3.6.0, 3.10.0 and 3.15.1. Keras 3's `BatchNormalization`
-(`keras.src.layers.normalization.batch_normalization`), in a training call
-of a trainable layer without `renorm`, takes the batch's moments from its
-private `_moments(inputs, mask)` and then assigns `moving_mean` and
-`moving_variance` once each. During the forward pass of a micro step those
-two assigns are suppressed and the moments recorded, so that the window
-moves the moving statistics once, from its pooled moments (see
-`accum_model.tensorflow.batch_statistics`).
-
-A layer whose class overrides `call` may update its statistics otherwise and
-is left alone (`fit()` warns about it like about any layer whose statistics
-are per micro-batch).
+"""BatchNormalization's moving statistics, taken over for a window on
+TensorFlow (what Keras does is in `normalization`): during a micro step's
+forward pass the layer's two assigns are suppressed and its moments
+recorded, and the window moves the statistics once, from its pooled
+moments (`accum_model.tensorflow.batch_statistics`).
 """
 
 import contextlib

@@ -13,10 +13,8 @@ micro-batch's moments reach the window's sums:
   are added into their rows in place with `torch._foreach_*` calls over
   every layer at once (where every call's element count is a number, as
   without a mask), under `torch.no_grad()`.
-
 Checked on keras 3.15.1 with torch 2.13.0: `BatchNormalization.call` reads
-`self.momentum` and assigns `moving_mean` and `moving_variance` once per
-training call.
+`self.momentum` when it assigns the moving statistics.
 """
 
 import contextlib

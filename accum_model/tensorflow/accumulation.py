@@ -23,24 +23,12 @@ from accum_model.tensorflow.window_end import WindowEnd
 
 
 class TensorFlowAccumulation(WindowLifecycle):
-    """The window state of one model, and its life cycle.
+    """The window state of one model on TensorFlow, and its life cycle:
+    `window` is a `GradientWindow`, applied by `window_end`, a `WindowEnd`
+    (see `WindowLifecycle` for the rest).
 
     Args:
         settings: The `Settings` to accumulate with.
-
-    Attributes:
-        settings: The `Settings` in force.
-        window: The `GradientWindow` being accumulated, or None before the
-            first training step builds it.
-        window_end: The `WindowEnd` that applies `window`, or None.
-        loss_scaling: The compiled optimizer's duties (the adapter's
-            `LossScaling`), or None before training is set up.
-        update_signal: The `UpdateSignal` callbacks read.
-        checkpoint: The `WindowCheckpoint` that checkpoints carry, set by
-            the model (its class depends on the Keras).
-        epoch: Int. The 0-based epoch being trained.
-        weight_from_batch_size: Bool. Whether micro-batches are weighted by
-            their number of samples (a loss whose divisor is unknown).
     """
 
     def __init__(self, settings):
@@ -68,10 +56,6 @@ class TensorFlowAccumulation(WindowLifecycle):
 
     def _set_window_length(self, length):
         self.window.set_length(length)
-
-    def watch_updates(self, train_function, optimizer):
-        """`train_function`, noting the updates applied before each run."""
-        return self.update_signal.watching(train_function, optimizer)
 
     def _updates_applied(self, optimizer):
         # Under loss scaling the inner optimizer counts the updates (before
@@ -104,17 +88,6 @@ class TensorFlowAccumulation(WindowLifecycle):
 
     def set_up(self, loss_scaling, run_eagerly, report_loss=None,
                float16_gradients=None):
-        """Decides, once per compiled set-up, how windows are applied.
-
-        Args:
-            loss_scaling: The compiled optimizer's duties.
-            run_eagerly: Bool. Whether the model trains eagerly.
-            report_loss: Callable `(loss, samples)` that logs a window's
-                loss (replica context), or None.
-            float16_gradients: Callable taking the trainable variables and
-                returning, for each, whether the large batch's gradient of
-                it is float16; or None (none is).
-        """
         self.loss_scaling = loss_scaling
         self._run_eagerly = run_eagerly
         self._report_loss = report_loss
@@ -200,7 +173,7 @@ class TensorFlowAccumulation(WindowLifecycle):
         if self.loss_scaling.active and self._float16_gradients is not None:
             float16_gradients = self._float16_gradients(
                 window.trainable_variables)
-        return WindowEnd.for_window(
+        return WindowEnd(
             window, self.loss_scaling, self._run_eagerly,
             self.settings.may_overflow, self._report_loss, float16_gradients,
         )

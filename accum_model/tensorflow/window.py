@@ -49,33 +49,24 @@ class GradientWindow:
 
     A store of a `core.window.WindowState`: each field is a variable
     synchronised on read (each replica adds its own micro-batches without
-    communication; the window end reduces them once), and the steps write
-    what `core.window`'s transitions return with `assign` (`assign_add`
-    and, for a sparse gradient, `scatter_add` for the gradient sums). A
-    field the set-up does not use (the noise scale's, unmeasured) is a
-    constant, and the step holds no variable or op of it.
-
-    Accumulators are float32 whatever the compute dtype, unless
-    `accumulator_dtype` says otherwise. A micro step counts only when its
-    micro-batch holds data on some replica: Keras and `tf.distribute` can
-    run a step on an empty batch when data of unknown length runs out.
-
-    The variables are not tracked by Keras, so they stay out of
-    `model.weights`; checkpoints carry them through `checkpoint`.
+    communication; the window end reduces them once), written with what
+    `core.window`'s transitions return. A field the set-up does not use
+    (the noise scale's, unmeasured) is a constant, so that the step holds
+    no variable or op of it. The variables are not tracked by Keras, so
+    they stay out of `model.weights`; checkpoints carry them through
+    `checkpoint`.
 
     Args:
-        trainable_variables: List of the model's trainable variables, in the
-            order gradients will be given.
+        trainable_variables: The model's trainable variables, in the order
+            gradients will be given.
         strategy: The `tf.distribute.Strategy` the model trains under.
         steps_left_in_epoch: Int. Micro steps until the current epoch ends,
             or -1 when unknown.
         length: Int. Micro steps in a window.
         accumulator_dtype: `tf.DType` the gradients are summed in.
-        statistics_calls: List of `StatisticsCall`: the normalization
-            layers' training-mode calls whose moving statistics the window
-            pools (see `batch_statistics`).
-        measure_noise_scale: Bool. Whether the window measures the gradient
-            noise scale.
+        statistics_calls: The `batch_statistics.StatisticsCall`s whose
+            moving statistics the window pools.
+        measure_noise_scale: Bool. Whether the noise-scale sums move.
     """
 
     def __init__(self, trainable_variables, strategy, steps_left_in_epoch=-1,
@@ -185,22 +176,12 @@ class GradientWindow:
 
     def add_micro_batch(self, gradients, weight, samples, counts,
                         loss=None, statistics=()):
-        """Adds a micro step to the window (replica context).
-
-        Args:
-            gradients: List of gradients (or None), one per variable.
-            weight: Float32 scalar, the micro-batch's share of the window:
-                its gradients are added multiplied by it.
-            samples: Float32 scalar, this replica's samples in the step.
-            counts: Bool scalar, whether the step counts as a micro step
-                (the micro-batch has data on some replica). Equal on all
-                replicas.
-            loss: Scalar, the micro-batch's loss, or None if not tracked.
-            statistics: List of `RecordedStatistics`, one per statistics
-                call of the window.
-
-        Returns:
-            The state's scalars as written (its gradient sums left out).
+        """Adds a micro step to the window (replica context), as
+        `core.window.micro_batch_added` with `statistics` (one
+        `RecordedStatistics` per call of the window). `counts`, equal on
+        all replicas, is whether the micro-batch has data on some replica:
+        `tf.distribute` can run a step on an empty batch when data of
+        unknown length runs out. Returns the state's scalars as written.
         """
         # A variable keeps its gradient once any micro step gave it one (in
         # eager mode each step reports its own; a trace reports them all).
@@ -245,16 +226,13 @@ class GradientWindow:
         return new
 
     def set_length(self, length):
-        """Sets the window length from the next window boundary (eagerly).
-
-        An empty window takes it at once; an open one keeps its own length.
-        """
+        """`core.window.with_length`, eagerly."""
         self.update(lambda state: core_window.with_length(state, length,
                                                           TF_OPS),
                     everywhere=True)
 
     def start_epoch(self, steps_left_in_epoch, new_epoch):
-        """Begins an epoch of `steps_left_in_epoch` micro steps (eagerly)."""
+        """`core.window.with_epoch`, eagerly."""
         self.update(lambda state: core_window.with_epoch(
             state, steps_left_in_epoch, TF_OPS, new_epoch), everywhere=True)
 

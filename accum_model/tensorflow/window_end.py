@@ -22,39 +22,28 @@ class WindowEnd:
     Args:
         window: The `GradientWindow` being accumulated.
         loss_scaling: The `LossScaling` of the compiled optimizer.
-        strategy: The `tf.distribute.Strategy` the model trains under.
         run_eagerly: Bool. Whether `apply_open` runs without `tf.function`.
         accumulators_may_overflow: Bool. Whether a non-finite window is
             skipped even without loss scaling (narrow accumulators).
         report_loss: Callable `(loss, samples)`, run in replica context for
             each window that saw samples, with the window's loss (the large
             batch's) and the replica's samples in it; or None.
-        float16_gradients: List of bools, one per trainable variable of
-            the window: whether the large batch's gradient of it is float16
-            (its layer computes in float16), so that the large batch
-            overflows where that gradient, scaled, leaves float16's range;
-            or None.
+        float16_gradients: For each trainable variable, whether the large
+            batch's gradient of it is float16 (`WindowConfig.float16`); or
+            None.
     """
 
-    def __init__(self, window, loss_scaling, strategy, run_eagerly,
+    def __init__(self, window, loss_scaling, run_eagerly,
                  accumulators_may_overflow=False, report_loss=None,
                  float16_gradients=None):
         self.window = window
         self.loss_scaling = loss_scaling
-        self.strategy = strategy
+        self.strategy = window.strategy
         self.run_eagerly = run_eagerly
         self.checks_finite = loss_scaling.active or accumulators_may_overflow
         self.report_loss = report_loss
         self.float16_gradients = float16_gradients
         self._apply_open_functions = {}
-
-    @classmethod
-    def for_window(cls, window, loss_scaling, run_eagerly,
-                   accumulators_may_overflow, report_loss=None,
-                   float16_gradients=None):
-        """The window end of a compiled set-up (see the class's arguments)."""
-        return cls(window, loss_scaling, window.strategy, run_eagerly,
-                   accumulators_may_overflow, report_loss, float16_gradients)
 
     def end_if(self, should_end):
         """From replica context: ends the window when `should_end` holds."""
