@@ -505,24 +505,28 @@ def _two_relu_layers(model_class, **kwargs):
 @pytest.mark.parametrize("replicas", [1, 2])
 @pytest.mark.parametrize("data_scale, overflows", [(20.0, True),
                                                    (0.1, False)])
+@pytest.mark.parametrize("policy", ["mixed_float16", "float16"])
 def test_window_overflows_where_the_large_batchs_float16_sum_does(
-        request, replicas, data_scale, overflows):
-    # The large batch sums its 32 samples' weight-gradient terms in float16:
+        request, replicas, data_scale, overflows, policy):
+    # The large batch sums its 32 samples' weight-gradient terms in float16
+    # (float32 weights autocast in float16 layers, or float16 weights):
     # with inputs x30 and targets x20 that sum leaves float16's range at
     # scales where each micro-batch's sum of 8 does not. The window must
     # skip those windows too (and so lower the scale where the large batch
     # does).
     x, y = _scaled_data(data_scale)
-    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.mixed_precision.set_global_policy(policy)
     try:
         plain = _two_relu_layers(keras.Model)
-        plain.compile(optimizer=keras.optimizers.SGD(1e-7), loss="mse")
+        plain.compile(optimizer=LossScaleOptimizer(
+            keras.optimizers.SGD(1e-7)), loss="mse")
         plain.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
         scope = (request.getfixturevalue("two_replicas").scope()
                  if replicas == 2 else contextlib.nullcontext())
         with scope:
             model = _two_relu_layers(AccumulatingModel, n_gradients=4)
-            model.compile(optimizer=keras.optimizers.SGD(1e-7), loss="mse")
+            model.compile(optimizer=LossScaleOptimizer(
+                keras.optimizers.SGD(1e-7)), loss="mse")
         model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     finally:
         keras.mixed_precision.set_global_policy("float32")

@@ -26,7 +26,8 @@ _autocast_variable = src("mixed_precision.autocast_variable")
 
 def float16_gradient_flags(model, variables):
     """For each of `variables`, whether the large batch's gradient of it is
-    float16 (and so overflows above float16's range).
+    float16 (and so overflows above float16's range): a float16 variable's
+    always is.
 
     Keras 2 wraps the float32 variables of a layer computing in float16 in
     an `AutoCastVariable`, read as float16 inside the layer's call (unless
@@ -41,8 +42,9 @@ def float16_gradient_flags(model, variables):
             autocast.update(
                 id(v) for v in getattr(layer, "_trainable_weights", ()))
     return [
-        id(v) in autocast
-        and isinstance(v, _autocast_variable.AutoCastVariable)
+        v.dtype == tf.float16 or (
+            id(v) in autocast
+            and isinstance(v, _autocast_variable.AutoCastVariable))
         for v in variables
     ]
 

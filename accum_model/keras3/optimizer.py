@@ -67,7 +67,8 @@ class Keras3LossScaling(OptimizerDuties):
 
 def float16_gradient_flags(model, variables):
     """For each of `variables`, whether the large batch's gradient of it is
-    float16 (and so overflows above float16's range).
+    float16 (and so overflows above float16's range): a float16 variable's
+    always is.
 
     A float32 variable read inside the call of a layer that computes in
     float16 is autocast to float16 there (`AutocastScope`), and its gradient
@@ -83,7 +84,8 @@ def float16_gradient_flags(model, variables):
             autocast.update(
                 id(v) for v in getattr(layer, "_trainable_variables", ()))
     return [
-        id(v) in autocast and v.dtype == "float32"
-        and getattr(v, "_autocast", True)
+        v.dtype == "float16" or (
+            id(v) in autocast and v.dtype == "float32"
+            and getattr(v, "_autocast", True))
         for v in variables
     ]
