@@ -420,6 +420,40 @@ def warn_if_layers_add_losses(model, warn):
         )
 
 
+def warn_if_accumulators_round_float64_weights(model, warn):
+    """Warns when float64 weights have their gradients summed in a
+    narrower `accumulator_dtype`: the window then equals the large batch
+    to that dtype's precision, not float64's.
+
+    Args:
+        model: The model about to train.
+        warn: Callable taking a message, warning once per model.
+    """
+    dtype = model._accumulation.settings.accumulator_dtype
+    wide = sorted({layer.name for layer in adapter.layers_of(model)
+                   if layer is not model and layer.trainable
+                   and (layer.trainable_weights or not layer.built)
+                   and _dtype_name(getattr(layer, "dtype", None))
+                   == "float64"})
+    if dtype != "float64" and wide:
+        warn(
+            f"Layers {names_in_brief(wide, _FLOAT64_LISTING)} keep float64 "
+            "weights, and the "
+            f"window sums their gradients in {dtype}, so the update equals "
+            f"the large batch's to {dtype}'s precision, not float64's. Set "
+            "accumulator_dtype='float64' to sum them in float64. Received: "
+            f"accumulator_dtype={dtype!r}"
+        )
+
+
+_FLOAT64_LISTING = ("`[l.name for l in model._flatten_layers() if l.dtype == "
+                    "'float64']`")
+
+
+def _dtype_name(dtype):
+    return getattr(dtype, "name", dtype)
+
+
 def check_ready_to_accumulate(model, requested_class):
     """Raises (or warns) before training if `model` cannot accumulate.
 
@@ -442,6 +476,7 @@ def check_ready_to_accumulate(model, requested_class):
     warn = model._accumulation.warn_once
     warn_if_batch_statistics_differ(model, warn)
     warn_if_layers_add_losses(model, warn)
+    warn_if_accumulators_round_float64_weights(model, warn)
     warn_if_train_step_bypasses_window(type(model))
     return warn_if_loss_divisor_is_unknown(requested_class)
 

@@ -4,6 +4,8 @@ Schedules are compared with plain Keras taking the matching large batches,
 the signal with the optimizer's update count.
 """
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -11,6 +13,7 @@ from accum_model import AccumulatingModel
 from accum_model import accumulating
 from backends import keras_2_too
 from backends import keras_3_only
+from backends import ON_TORCH
 from backends import not_on_jax
 from helpers import keras
 from helpers import iterations, max_weight_difference, mlp, regression_data
@@ -225,6 +228,50 @@ def test_accumulator_dtype_sets_memory_and_stays_close(dtype, tolerance):
         return
     # A narrow sum is not the float32 one: the tolerance is not slack.
     assert max_weight_difference(model, plain) > 1e-7
+
+
+def _float64_mlp(model_class, **kwargs):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,), dtype="float64")
+    hidden = keras.layers.Dense(8, activation="tanh", dtype="float64",
+                                name="wide_hidden")(inputs)
+    outputs = keras.layers.Dense(3, dtype="float64",
+                                 name="wide_output")(hidden)
+    return model_class(inputs=inputs, outputs=outputs, **kwargs)
+
+
+@not_on_jax("float64 weights on JAX need jax_enable_x64")
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_float64_weights_are_summed_in_float64_or_named(dtype):
+    # float32 sums round a float64 model's window to float32's precision
+    # (TensorFlow: 3.6e-9 from the float64 large batch, against 1.1e-16
+    # with float64 sums): fit() says so and names the argument. Keras on
+    # PyTorch computes the loss in float32 (keras 3.15.1, even a loss built
+    # with dtype="float64"), so its own large batch lands 2e-7 from the
+    # float64 gradient: there the window can only match it to float32.
+    x, y = (array.astype("float64") for array in regression_data(64))
+    plain = _float64_mlp(keras.Model)
+    plain.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model = _float64_mlp(AccumulatingModel, n_gradients=4,
+                         accumulator_dtype=dtype)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.set_weights(plain.get_weights())
+    plain.fit(x, y, batch_size=4 * MICRO_BATCH, epochs=2, shuffle=False,
+              verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=MICRO_BATCH, epochs=2, shuffle=False,
+                  verbose=0)
+    named = [str(w.message) for w in caught
+             if "accumulator_dtype='float64'" in str(w.message)]
+    difference = max_weight_difference(model, plain)
+    if dtype == "float64":
+        assert not named
+        assert difference <= (1e-6 if ON_TORCH else 1e-12)
+    else:
+        assert len(named) == 1
+        assert "['wide_hidden', 'wide_output']" in named[0]
+        assert 1e-12 < difference <= 1e-6
 
 
 @pytest.mark.parametrize("dtype", ["int32", "float8_e4m3fn", None, "fp16"])
