@@ -420,6 +420,65 @@ def warn_if_layers_add_losses(model, warn):
         )
 
 
+# What a layer's `call` names where it writes a variable of its own.
+_VARIABLE_WRITES = ("assign", "assign_add", "assign_sub")
+
+
+def warn_if_layers_write_variables(model, warn):
+    """Warns when layers of the user's own write variables in `call` (a
+    running mean kept by hand, say).
+
+    Such a write sees each micro-batch as its batch: it happens once per
+    micro-batch, from that micro-batch, where the large batch makes it once,
+    from the whole batch; the window cannot know the layer's rule
+    (BatchNormalization's it does know, see
+    `warn_if_batch_statistics_differ`).
+
+    Args:
+        model: The model about to train.
+        warn: Callable taking a message, warning once per model.
+    """
+    writing = sorted(
+        layer.name for layer in adapter.layers_of(model)
+        if set(_VARIABLE_WRITES) & (class_tree.names_used_by_overrides(
+            type(layer), "call", stop_at=None) or set())
+    )
+    if writing:
+        warn(
+            f"Layers {writing} write variables in `call` (`assign`, "
+            "`assign_add` or `assign_sub`). Where they do so in training, "
+            "each write happens once per micro-batch, from that "
+            "micro-batch, where the large batch makes it once, from the "
+            "whole batch: what they hold is not the large batch's, nor is "
+            "anything computed from it. Make such a write in inference "
+            "only, or accept the difference."
+        )
+
+
+def warn_if_layers_carry_state(model, warn):
+    """Warns about stateful recurrent layers (`stateful=True`): each
+    micro-batch starts from the state the one before it left, where each
+    sample of a large batch starts from the same sample's of the large
+    batch before.
+
+    Args:
+        model: The model about to train.
+        warn: Callable taking a message, warning once per model.
+    """
+    stateful = sorted(
+        layer.name for layer in adapter.layers_of(model)
+        if getattr(layer, "stateful", False) is True
+        and not isinstance(layer, adapter.keras.Model))
+    if stateful:
+        warn(
+            f"Layers {stateful} are stateful (`stateful=True`): each "
+            "micro-batch starts from the state the micro-batch before it "
+            "left, whose samples are others, where each sample of the large "
+            "batch continues the same sample of the large batch before. "
+            "Set stateful=False, or accept the difference."
+        )
+
+
 def warn_if_accumulators_round_float64_weights(model, warn):
     """Warns when float64 weights have their gradients summed in a
     narrower `accumulator_dtype`: the window then equals the large batch
@@ -476,6 +535,8 @@ def check_ready_to_accumulate(model, requested_class):
     warn = model._accumulation.warn_once
     warn_if_batch_statistics_differ(model, warn)
     warn_if_layers_add_losses(model, warn)
+    warn_if_layers_write_variables(model, warn)
+    warn_if_layers_carry_state(model, warn)
     warn_if_accumulators_round_float64_weights(model, warn)
     warn_if_train_step_bypasses_window(type(model))
     return warn_if_loss_divisor_is_unknown(requested_class)

@@ -10,6 +10,7 @@ import pytest
 from accum_model import AccumulatingModel
 from accum_model import accumulating
 from accum_model._chooser import adapter
+from backends import ON_TORCH
 from backends import keras_2_too
 from helpers import keras
 from helpers import regression_data
@@ -170,6 +171,58 @@ def test_layers_that_add_losses_are_named_with_the_fix():
     assert len(messages) == 1
     assert "['penalty']" in messages[0]
     assert "Divide such a term by the batch size" in messages[0]
+
+
+class _RunningMean(keras.layers.Layer):
+    def build(self, input_shape):
+        self.mean = self.add_weight(shape=(input_shape[-1],),
+                                    initializer="zeros", trainable=False)
+
+    def call(self, inputs, training=False):
+        if training:
+            # Moved by the batch's first sample (either Keras's ops).
+            self.mean.assign(0.9 * self.mean + 0.1 * inputs[0])
+        return inputs - self.mean
+
+
+def test_layers_that_write_variables_are_named():
+    # The running mean moves once per micro-batch, not once per large
+    # batch: the window cannot be the large batch, and fit() says so.
+    x, y = regression_data(samples=16)
+    model = _with_layer(_RunningMean(name="running"))
+    model.compile(optimizer="sgd", loss="mse")
+    messages = [m for m in _fit_messages(model, x, y) if "`call`" in m]
+    assert len(messages) == 1
+    assert "['running']" in messages[0]
+    assert "once per micro-batch" in messages[0]
+    # Keras's own layers (none writes a variable in `call` but
+    # BatchNormalization, named apart) are quiet.
+    quiet = _with_layer(None)
+    quiet.compile(optimizer="sgd", loss="mse")
+    assert not [m for m in _fit_messages(quiet, x, y) if "`call`" in m]
+
+
+@pytest.mark.skipif(ON_TORCH, reason=(
+    "plain Keras on PyTorch cannot train a stateful LSTM (keras 3.15.1, "
+    "torch 2.13: an in-place autograd error)"))
+@pytest.mark.parametrize("stateful", [True, False])
+def test_stateful_recurrent_layers_are_named(stateful):
+    # A stateful LSTM carries its state from micro-batch to micro-batch,
+    # the large batch's from large batch to large batch.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 5, 3)).astype("float32")
+    y = rng.normal(size=(16, 2)).astype("float32")
+    inputs = keras.Input((5, 3), batch_size=4)
+    hidden = keras.layers.LSTM(4, stateful=stateful, name="memory")(inputs)
+    model = AccumulatingModel(inputs=inputs,
+                              outputs=keras.layers.Dense(2)(hidden),
+                              n_gradients=2)
+    model.compile(optimizer="sgd", loss="mse")
+    messages = [m for m in _fit_messages(model, x, y) if "stateful" in m]
+    assert len(messages) == int(stateful)
+    if stateful:
+        assert "['memory']" in messages[0]
+        assert "stateful=False" in messages[0]
 
 
 def test_keras_regularizers_are_quiet():
