@@ -425,12 +425,14 @@ _VARIABLE_WRITES = ("assign", "assign_add", "assign_sub")
 
 
 def warn_if_layers_write_variables(model, warn):
-    """Warns when layers of the user's own write variables in `call` (a
-    running mean kept by hand, say).
+    """Warns when layers write variables in `call`: layers of the user's
+    own (a running mean kept by hand, say), and Keras's own whose writes
+    the window does not take over here
+    (`adapter.writes_variables_per_micro_batch`).
 
     Such a write sees each micro-batch as its batch: it happens once per
     micro-batch, from that micro-batch, where the large batch makes it once,
-    from the whole batch; the window cannot know the layer's rule
+    from the whole batch; the window cannot know a user's rule
     (BatchNormalization's it does know, see
     `warn_if_batch_statistics_differ`).
 
@@ -442,11 +444,13 @@ def warn_if_layers_write_variables(model, warn):
         layer.name for layer in adapter.layers_of(model)
         if set(_VARIABLE_WRITES) & (class_tree.names_used_by_overrides(
             type(layer), "call", stop_at=None) or set())
+        or adapter.writes_variables_per_micro_batch(layer)
     )
     if writing:
         warn(
-            f"Layers {writing} write variables in `call` (`assign`, "
-            "`assign_add` or `assign_sub`). Where they do so in training, "
+            f"Layers {writing} write variables in `call` (such as "
+            "`assign`, or SpectralNormalization's renormalized kernel). "
+            "Where they do so in training, "
             "each write happens once per micro-batch, from that "
             "micro-batch, where the large batch makes it once, from the "
             "whole batch: what they hold is not the large batch's, nor is "

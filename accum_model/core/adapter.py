@@ -72,6 +72,13 @@ class Adapter:
         return False
 
     @staticmethod
+    def writes_variables_per_micro_batch(layer):
+        """Whether `layer` is one of this Keras's own that writes variables
+        in each training call, where the window does not take that over."""
+        del layer
+        return False
+
+    @staticmethod
     def foreign_variables_in_graph(model):
         """Names of the graph's layers that hold another Keras's variables."""
         del model

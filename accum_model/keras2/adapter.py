@@ -76,6 +76,13 @@ class Keras2Adapter(Adapter):
         return getattr(layer, "_random_generator", None) is not None
 
     @staticmethod
+    def writes_variables_per_micro_batch(layer):
+        """Keras 2's `SpectralNormalization` renormalizes its kernel in each
+        training call; the window leaves it to the layer."""
+        spectral = getattr(keras.layers, "SpectralNormalization", None)
+        return spectral is not None and isinstance(layer, spectral)
+
+    @staticmethod
     def plain_step_sums_replicas():
         """Keras 2's own step divides each loss by the replicas."""
         return False

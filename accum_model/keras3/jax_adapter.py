@@ -58,6 +58,7 @@ from accum_model.core import class_tree
 from accum_model.core import divisor
 from accum_model.core.window import WindowState
 from accum_model.keras3 import losses
+from accum_model.keras3 import normalization
 from accum_model.keras3 import stateless_window
 from accum_model.keras3.jax_window import JaxAccumulation
 from accum_model.keras3.jax_window import window_sharding as _window_sharding
@@ -533,6 +534,10 @@ class JaxAdapter(StatelessAdapter):
 
     Accumulation = JaxAccumulation
     ModelDifferences = JaxModelDifferences
+    # Keras's JAX step keeps none of SpectralNormalization's kernel writes
+    # and each micro step moves its `vector_u` (keras 3.15.1).
+    writes_variables_per_micro_batch = staticmethod(
+        normalization.renormalizes_kernel)
     accumulating_train_step = staticmethod(accumulating_train_step)
     check_strategy = staticmethod(check_strategy)
     batch_split_ways = staticmethod(batch_split_ways)

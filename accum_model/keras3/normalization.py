@@ -1,4 +1,6 @@
-"""Keras 3's `BatchNormalization` as every backend's window sees it.
+"""Keras 3's normalization layers as every backend's window sees them:
+`BatchNormalization`'s moving statistics, pooled over the window, and
+`SpectralNormalization`'s kernel, renormalized once per window.
 
 Checked on keras 3.6.0, 3.10.0 and 3.15.1 (and, for JAX and PyTorch, with
 jax 0.10.2 and torch 2.13.0): in a training call of a trainable layer
@@ -7,8 +9,8 @@ without `renorm`, the layer takes the batch's moments from its private
 `layer._reduction_axes`, then assigns `moving_mean` and `moving_variance`
 once each. Each backend's module records those moments and keeps the
 assigns from moving the statistics: `tensorflow_normalization`,
-`stateless_normalization` (JAX) and `torch_normalization`. A layer whose
-class overrides `call` is left alone.
+`stateless_normalization` (JAX) and `torch_normalization`. A layer of
+either kind whose class overrides `call` is left alone.
 """
 
 import keras
@@ -41,3 +43,30 @@ def masked_element_counts(layer, inputs, mask):
         ops.expand_dims(ops.cast(mask, "float32"), -1), ops.shape(inputs))
     return ops.reshape(ops.sum(weights, axis=tuple(layer._reduction_axes)),
                        [int(layer.moving_mean.shape[0])])
+
+
+def renormalizes_kernel(layer):
+    """Whether `layer` is Keras's `SpectralNormalization`, whose training
+    call renormalizes the kernel it wraps: it assigns `vector_u` and the
+    kernel what its `normalized_weights()` returns, `(vector_u, kernel)`
+    (checked on keras 3.6.0 and 3.15.1)."""
+    return (isinstance(layer, keras.layers.SpectralNormalization)
+            and type(layer).call is keras.layers.SpectralNormalization.call
+            and callable(getattr(layer, "normalized_weights", None)))
+
+
+def normalized_once_per_window(layer, opens_window):
+    """`layer.normalized_weights` that renormalizes only in a window's
+    first micro step (`opens_window()`, a bool scalar read where the layer
+    is called) and keeps the weights as they are in the others: the large
+    batch renormalizes once per step, and a window's weights do not change
+    before its end."""
+    original = type(layer).normalized_weights.__get__(layer)
+
+    def normalized_weights():
+        vector_u, kernel = original()
+        first = opens_window()
+        return (ops.where(first, vector_u, layer.vector_u.value),
+                ops.where(first, kernel, layer.kernel.value))
+
+    return normalized_weights

@@ -29,7 +29,9 @@ from accum_model.core.class_tree import layers_of
 from accum_model.keras3.stateless_ops import KERAS_OPS
 from accum_model.keras3.normalization import is_symbolic_call
 from accum_model.keras3.normalization import masked_element_counts
+from accum_model.keras3.normalization import normalized_once_per_window
 from accum_model.keras3.normalization import pools_moving_statistics
+from accum_model.keras3.normalization import renormalizes_kernel
 from accum_model.keras3.loop import calls_in_graph
 
 
@@ -43,6 +45,9 @@ class PooledStatistics:
     def __init__(self, model):
         self.layers = [layer for layer in layers_of(model)
                        if pools_moving_statistics(layer)]
+        # The layers that renormalize their kernel once per window.
+        self.renormalizing = [layer for layer in layers_of(model)
+                              if renormalizes_kernel(layer)]
         position = {id(v): i
                     for i, v in enumerate(model.non_trainable_variables)}
         self._positions = [
@@ -75,7 +80,7 @@ class PooledStatistics:
                 for _ in range(calls)]
 
     @contextlib.contextmanager
-    def recording(self, combined=None):
+    def recording(self, combined=None, opens_window=None):
         """Records each layer's training-mode moments in a forward pass.
 
         Args:
@@ -84,6 +89,9 @@ class PooledStatistics:
                 (count, mean, variance)` that makes a call's moments the
                 whole batch's: the layer normalizes by them, and records
                 them.
+            opens_window: Callable returning whether this micro step is its
+                window's first, or None: where given, the `renormalizing`
+                layers renormalize only then.
 
         Yields:
             A list with one list per layer, to which each call appends
@@ -93,11 +101,17 @@ class PooledStatistics:
         for layer, calls in zip(self.layers, records):
             vars(layer)["_moments"] = _recording_moments(
                 layer, calls, self.element_counts, combined)
+        renormalizing = self.renormalizing if opens_window else []
+        for layer in renormalizing:
+            vars(layer)["normalized_weights"] = normalized_once_per_window(
+                layer, opens_window)
         try:
             yield records
         finally:
             for layer in self.layers:
                 vars(layer).pop("_moments", None)
+            for layer in renormalizing:
+                vars(layer).pop("normalized_weights", None)
 
     def moments_of(self, records):
         """Each layer's recorded moments, a list with one

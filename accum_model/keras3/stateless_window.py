@@ -148,6 +148,14 @@ class StatelessAccumulation(WindowLifecycle):
             state.length, state.micro_steps, state.steps_left_in_epoch, 1,
             KERAS_OPS)
 
+    def opens_window(self):
+        """Bool scalar: whether the micro step being run is its window's
+        first (True outside the step)."""
+        state = self._traced_window
+        if state is None:
+            return True
+        return state.micro_steps == 0
+
     def accumulator_bytes(self):
         # Per device: a store that keeps one block per device holds one
         # variable's size of each sum on each.

@@ -12,14 +12,16 @@ import tensorflow as tf
 
 from accum_model.keras3.normalization import is_symbolic_call
 from accum_model.keras3.normalization import masked_element_counts
+from accum_model.keras3.normalization import normalized_once_per_window
 from accum_model.keras3.normalization import pools_moving_statistics
+from accum_model.keras3.normalization import renormalizes_kernel
 from accum_model.tensorflow.batch_statistics import RecordedStatistics
 from accum_model.tensorflow.batch_statistics import StatisticsCall
 
 
 
 @contextlib.contextmanager
-def recording_batch_statistics(layers):
+def recording_batch_statistics(layers, opens_window=None):
     """Records the moments of `layers`' training calls; suppresses updates.
 
     Only calls made by the thread that entered the block are recorded and
@@ -29,6 +31,9 @@ def recording_batch_statistics(layers):
     Args:
         layers: The model's layers (`layers_of`); those that
             `pools_moving_statistics` are taken over.
+        opens_window: Callable returning whether this micro step is its
+            window's first (a bool scalar), or None: where given, layers
+            that `renormalizes_kernel` renormalize only then.
 
     Yields:
         A list that each training-mode call of such a layer appends its
@@ -41,6 +46,10 @@ def recording_batch_statistics(layers):
     try:
         for layer in pooled:
             recorder.hold(layer, "_moments", _recording_moments(layer))
+        for layer in layers:
+            if opens_window is not None and renormalizes_kernel(layer):
+                recorder.hold(layer, "normalized_weights",
+                              normalized_once_per_window(layer, opens_window))
         yield recorder.records
     finally:
         _thread.recorder = outer

@@ -295,7 +295,8 @@ def accumulating_train_step(model, data):
         type(model))
     statistics = accumulation.statistics
     accumulation._traced_window = window.state
-    with statistics.recording() as records:
+    with statistics.recording(
+            opens_window=accumulation.opens_window) as records:
         if model._call_has_training_arg:
             y_pred = model(x, training=True)
         else:

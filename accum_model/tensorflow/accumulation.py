@@ -80,6 +80,14 @@ class TensorFlowAccumulation(WindowLifecycle):
             window.length, window.micro_steps, window.steps_left_in_epoch,
             window.strategy.num_replicas_in_sync, TF_OPS)
 
+    def opens_window(self):
+        """Bool scalar: whether the micro step being run is its window's
+        first (True before the window exists)."""
+        window = self.window
+        if window is None:
+            return tf.constant(True)
+        return tf.equal(window.micro_steps, 0)
+
     def accumulator_bytes(self):
         """Int. Bytes held by one replica's accumulators."""
         return 0 if self.window is None else self.window.accumulator_bytes
