@@ -58,7 +58,6 @@ from accum_model.core import class_tree
 from accum_model.core import divisor
 from accum_model.core.window import WindowState
 from accum_model.keras3 import losses
-from accum_model.keras3 import normalization
 from accum_model.keras3 import stateless_window
 from accum_model.keras3.jax_window import JaxAccumulation
 from accum_model.keras3.jax_window import window_sharding as _window_sharding
@@ -87,7 +86,8 @@ def accumulating_train_step(model, state, data):
 
     def forward(trainable, non_trainable, x, combined_moments=None):
         kwargs = {"training": True} if model._call_has_training_arg else {}
-        with accumulation.statistics.recording(combined_moments) as records:
+        with accumulation.statistics.recording(
+                combined_moments, accumulation.spectral_writes()) as records:
             y_pred, new_non_trainable, layer_losses = model.stateless_call(
                 trainable, non_trainable, x, return_losses=True, **kwargs)
         moments = accumulation.statistics.moments_of(records)
@@ -534,10 +534,6 @@ class JaxAdapter(StatelessAdapter):
 
     Accumulation = JaxAccumulation
     ModelDifferences = JaxModelDifferences
-    # Keras's JAX step keeps none of SpectralNormalization's kernel writes
-    # and each micro step moves its `vector_u` (keras 3.15.1).
-    writes_variables_per_micro_batch = staticmethod(
-        normalization.renormalizes_kernel)
     accumulating_train_step = staticmethod(accumulating_train_step)
     check_strategy = staticmethod(check_strategy)
     batch_split_ways = staticmethod(batch_split_ways)

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
 from accum_model.core import class_tree
+from accum_model.core import window as core_window
 from accum_model.core.variables import is_overwritten_with_gradient
 from accum_model.keras3 import losses
 from accum_model.keras3 import stateless_window
@@ -93,6 +94,35 @@ class JaxAccumulation(stateless_window.StatelessAccumulation):
 
     def _eager_end(self, end):
         return jax.jit(end)
+
+    # SpectralNormalization -------------------------------------------------
+
+    def spectral_writes(self):
+        """Keras's JAX step keeps none of a `SpectralNormalization` layer's
+        kernel writes (keras 3.15.1: the kernel is renormalized in each
+        pass, its variable never), and writes `vector_u`: the kernel is
+        renormalized in every micro step from the `vector_u` the window
+        started with, which moves as the window closes."""
+        return self.closes_window, None
+
+    def closes_window(self):
+        """Bool scalar: whether the micro step being run ends its window
+        (every micro step on JAX counts: no step runs on an empty batch)."""
+        state = self._traced_window
+        if state is None:
+            return True
+        return core_window.ends(state._replace(
+            micro_steps=state.micro_steps + 1,
+            steps_left_in_epoch=state.steps_left_in_epoch - 1))
+
+    def apply_open_window(self):
+        # A window no micro step closed (an epoch of unknown length ended
+        # it) moves `vector_u` as the large batch's step does, once, from
+        # the weights the window started with.
+        if self.open_micro_steps() and self.statistics is not None:
+            for layer in self.statistics.renormalizing:
+                layer.vector_u.assign(layer.normalized_weights()[0])
+        super().apply_open_window()
 
     # Per-device blocks ------------------------------------------------------
 

@@ -55,18 +55,25 @@ def renormalizes_kernel(layer):
             and callable(getattr(layer, "normalized_weights", None)))
 
 
-def normalized_once_per_window(layer, opens_window):
-    """`layer.normalized_weights` that renormalizes only in a window's
-    first micro step (`opens_window()`, a bool scalar read where the layer
-    is called) and keeps the weights as they are in the others: the large
-    batch renormalizes once per step, and a window's weights do not change
-    before its end."""
+def normalized_once_per_window(layer, writes_vector, writes_kernel=None):
+    """`layer.normalized_weights` that gives `vector_u` and the kernel
+    their new values only where `writes_vector()` and `writes_kernel()`
+    hold (bool scalars read where the layer is called; None: always), and
+    the weights as they are elsewhere.
+
+    The large batch renormalizes once per step, and a window's weights do
+    not change before its end: where the layer's writes persist, both are
+    written in the window's first micro step only; where the kernel's do
+    not (Keras's JAX step), the kernel is renormalized in every micro step
+    from the same `vector_u`, written as the window closes.
+    """
     original = type(layer).normalized_weights.__get__(layer)
 
     def normalized_weights():
         vector_u, kernel = original()
-        first = opens_window()
-        return (ops.where(first, vector_u, layer.vector_u.value),
-                ops.where(first, kernel, layer.kernel.value))
+        if writes_kernel is not None:
+            kernel = ops.where(writes_kernel(), kernel, layer.kernel.value)
+        return ops.where(writes_vector(), vector_u,
+                         layer.vector_u.value), kernel
 
     return normalized_weights

@@ -80,7 +80,7 @@ class PooledStatistics:
                 for _ in range(calls)]
 
     @contextlib.contextmanager
-    def recording(self, combined=None, opens_window=None):
+    def recording(self, combined=None, spectral_writes=None):
         """Records each layer's training-mode moments in a forward pass.
 
         Args:
@@ -89,9 +89,9 @@ class PooledStatistics:
                 (count, mean, variance)` that makes a call's moments the
                 whole batch's: the layer normalizes by them, and records
                 them.
-            opens_window: Callable returning whether this micro step is its
-                window's first, or None: where given, the `renormalizing`
-                layers renormalize only then.
+            spectral_writes: None, or where the `renormalizing` layers
+                renormalize once per window, when their writes land: the
+                accumulation's `spectral_writes()`.
 
         Yields:
             A list with one list per layer, to which each call appends
@@ -101,10 +101,10 @@ class PooledStatistics:
         for layer, calls in zip(self.layers, records):
             vars(layer)["_moments"] = _recording_moments(
                 layer, calls, self.element_counts, combined)
-        renormalizing = self.renormalizing if opens_window else []
+        renormalizing = self.renormalizing if spectral_writes else []
         for layer in renormalizing:
             vars(layer)["normalized_weights"] = normalized_once_per_window(
-                layer, opens_window)
+                layer, *spectral_writes)
         try:
             yield records
         finally:

@@ -49,7 +49,8 @@ def recording_batch_statistics(layers, opens_window=None):
         for layer in layers:
             if opens_window is not None and renormalizes_kernel(layer):
                 recorder.hold(layer, "normalized_weights",
-                              normalized_once_per_window(layer, opens_window))
+                              normalized_once_per_window(
+                                  layer, opens_window, opens_window))
         yield recorder.records
     finally:
         _thread.recorder = outer

@@ -296,7 +296,7 @@ def accumulating_train_step(model, data):
     statistics = accumulation.statistics
     accumulation._traced_window = window.state
     with statistics.recording(
-            opens_window=accumulation.opens_window) as records:
+            spectral_writes=accumulation.spectral_writes()) as records:
         if model._call_has_training_arg:
             y_pred = model(x, training=True)
         else:

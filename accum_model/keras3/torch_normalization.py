@@ -41,13 +41,13 @@ class TorchPooledStatistics(PooledStatistics):
         self._records = None
 
     @contextlib.contextmanager
-    def recording(self, combined=None, opens_window=None):
+    def recording(self, combined=None, spectral_writes=None):
         pinned = self.layers
         for layer in pinned:
             vars(layer)["_accum_momentum"] = layer.momentum
             vars(layer)["momentum"] = 1.0
         try:
-            with super().recording(combined, opens_window) as records:
+            with super().recording(combined, spectral_writes) as records:
                 self._records = records
                 yield records
         finally:
