@@ -442,8 +442,7 @@ def warn_if_layers_write_variables(model, warn):
     """
     writing = sorted(
         layer.name for layer in adapter.layers_of(model)
-        if set(_VARIABLE_WRITES) & (class_tree.names_used_by_overrides(
-            type(layer), "call", stop_at=None) or set())
+        if set(_VARIABLE_WRITES) & _names_reached_from_call(type(layer))
         or adapter.writes_variables_per_micro_batch(layer)
     )
     if writing:
@@ -457,6 +456,22 @@ def warn_if_layers_write_variables(model, warn):
             "anything computed from it. Make such a write in inference "
             "only, or accept the difference."
         )
+
+
+def _names_reached_from_call(layer_class):
+    """The names a user's override of `call` uses, and those of the user's
+    methods it reaches through them (`self._update()`, say)."""
+    names = set()
+    pending = ["call"]
+    while pending:
+        method = pending.pop()
+        names.add(method)
+        used = class_tree.names_used_by_overrides(layer_class, method,
+                                                  stop_at=None) or set()
+        pending += [name for name in used - names
+                    if callable(getattr(layer_class, name, None))]
+        names |= used
+    return names
 
 
 def warn_if_layers_carry_state(model, warn):

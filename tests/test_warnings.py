@@ -185,11 +185,24 @@ class _RunningMean(keras.layers.Layer):
         return inputs - self.mean
 
 
-def test_layers_that_write_variables_are_named():
+class _RunningMeanByMethod(_RunningMean):
+    def call(self, inputs, training=False):
+        if training:
+            self._move(inputs)
+        return inputs - self.mean
+
+    def _move(self, inputs):
+        self.mean.assign(0.9 * self.mean + 0.1 * inputs[0])
+
+
+@pytest.mark.parametrize("layer_class", [_RunningMean,
+                                         _RunningMeanByMethod])
+def test_layers_that_write_variables_are_named(layer_class):
     # The running mean moves once per micro-batch, not once per large
-    # batch: the window cannot be the large batch, and fit() says so.
+    # batch: the window cannot be the large batch, and fit() says so,
+    # whether `call` writes it or a method `call` reaches.
     x, y = regression_data(samples=16)
-    model = _with_layer(_RunningMean(name="running"))
+    model = _with_layer(layer_class(name="running"))
     model.compile(optimizer="sgd", loss="mse")
     messages = [m for m in _fit_messages(model, x, y) if "`call`" in m]
     assert len(messages) == 1
