@@ -121,7 +121,9 @@ class JaxAccumulation(stateless_window.StatelessAccumulation):
         # the weights the window started with.
         if self.open_micro_steps() and self.statistics is not None:
             for layer in self.statistics.renormalizing:
-                layer.vector_u.assign(layer.normalized_weights()[0])
+                # As the layer's call: an all-zero kernel is left alone.
+                if bool(keras.ops.any(layer.kernel.value != 0)):
+                    layer.vector_u.assign(layer.normalized_weights()[0])
         super().apply_open_window()
 
     # Per-device blocks ------------------------------------------------------
