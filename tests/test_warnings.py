@@ -163,11 +163,16 @@ def _with_layer(layer, **kwargs):
     return AccumulatingModel(inputs=inputs, outputs=outputs, n_gradients=2)
 
 
-def test_layers_that_add_losses_are_named_with_the_fix():
+def _fit_messages_with(layer, about):
+    """The warnings that mention `about` in a fit() of `_with_layer`."""
     x, y = regression_data(samples=16)
-    model = _with_layer(_SummedPenalty(name="penalty"))
+    model = _with_layer(layer)
     model.compile(optimizer="sgd", loss="mse")
-    messages = [m for m in _fit_messages(model, x, y) if "add_loss" in m]
+    return [m for m in _fit_messages(model, x, y) if about in m]
+
+
+def test_layers_that_add_losses_are_named_with_the_fix():
+    messages = _fit_messages_with(_SummedPenalty(name="penalty"), "add_loss")
     assert len(messages) == 1
     assert "['penalty']" in messages[0]
     assert "Divide such a term by the batch size" in messages[0]
@@ -201,18 +206,13 @@ def test_layers_that_write_variables_are_named(layer_class):
     # The running mean moves once per micro-batch, not once per large
     # batch: the window cannot be the large batch, and fit() says so,
     # whether `call` writes it or a method `call` reaches.
-    x, y = regression_data(samples=16)
-    model = _with_layer(layer_class(name="running"))
-    model.compile(optimizer="sgd", loss="mse")
-    messages = [m for m in _fit_messages(model, x, y) if "`call`" in m]
+    messages = _fit_messages_with(layer_class(name="running"), "`call`")
     assert len(messages) == 1
     assert "['running']" in messages[0]
     assert "once per micro-batch" in messages[0]
     # Keras's own layers (none writes a variable in `call` but
     # BatchNormalization, named apart) are quiet.
-    quiet = _with_layer(None)
-    quiet.compile(optimizer="sgd", loss="mse")
-    assert not [m for m in _fit_messages(quiet, x, y) if "`call`" in m]
+    assert not _fit_messages_with(None, "`call`")
 
 
 @pytest.mark.skipif(ON_TORCH, reason=(
