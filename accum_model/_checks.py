@@ -308,13 +308,7 @@ def warn_if_batch_statistics_differ(model, warn):
     ]
     if not training:
         return
-    # A step of the user's own that does not go through the built-in one
-    # runs the forward pass where the window cannot see it.
-    step_names = class_tree.names_used_by_overrides(
-        type(model), "train_step",
-        stop_at=class_tree.accumulating_base(type(model)),
-    )
-    own_step = step_names is not None and "train_step" not in step_names
+    own_step = _has_own_step(model)
     pooled, unpooled = [], []
     for layer in training:
         pools = not own_step and adapter.pools_moving_statistics(layer)
@@ -351,6 +345,17 @@ def warn_if_batch_statistics_differ(model, warn):
             "micro-batch, so they are not the large batch's and the window "
             "is not exact. " + choices
         )
+
+
+def _has_own_step(model):
+    """Whether the model's class has a training step of the user's own
+    that does not go through the built-in one: its forward pass runs where
+    the window cannot see it."""
+    step_names = class_tree.names_used_by_overrides(
+        type(model), "train_step",
+        stop_at=class_tree.accumulating_base(type(model)),
+    )
+    return step_names is not None and "train_step" not in step_names
 
 
 def warn_if_wrapped_modules_keep_batch_statistics(model, warn):
@@ -440,10 +445,11 @@ def warn_if_layers_write_variables(model, warn):
         model: The model about to train.
         warn: Callable taking a message, warning once per model.
     """
+    own_step = _has_own_step(model)
     writing = sorted(
         layer.name for layer in adapter.layers_of(model)
         if set(_VARIABLE_WRITES) & _names_reached_from_call(type(layer))
-        or adapter.writes_variables_per_micro_batch(layer)
+        or adapter.writes_variables_per_micro_batch(layer, own_step)
     )
     if writing:
         warn(

@@ -12,6 +12,7 @@ from backends import ON_TENSORFLOW
 from backends import ON_TORCH
 from backends import jax_only
 from backends import keras_2_too
+from backends import keras_3_only
 from backends import tensorflow_only
 from helpers import iterations
 from helpers import keras
@@ -100,6 +101,26 @@ def test_step_that_applies_the_optimizer_itself_is_warned_about():
     model.compile(optimizer="sgd")
     with pytest.warns(UserWarning, match="accumulate_gradients"):
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
+@tensorflow_step
+@keras_3_only("Keras 2 names SpectralNormalization under any step "
+              "(test_exactness.py)")
+def test_spectral_normalization_under_an_own_step_is_named():
+    # The built-in step renormalizes once per window; a step of the user's
+    # own runs the forward pass where the window cannot see it, and the
+    # layer renormalizes in every micro step.
+    x, y = regression_data(samples=32)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.SpectralNormalization(keras.layers.Dense(8),
+                                                name="spectral")(inputs)
+    model = TapeStep(inputs=inputs, outputs=keras.layers.Dense(3)(hidden),
+                     n_gradients=2)
+    model.compile(optimizer="sgd", loss="mse")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert len([w for w in caught if "['spectral']" in str(w.message)]) == 1
 
 
 @tensorflow_step

@@ -72,10 +72,12 @@ class Adapter:
         return False
 
     @staticmethod
-    def writes_variables_per_micro_batch(layer):
+    def writes_variables_per_micro_batch(layer, own_step):
         """Whether `layer` is one of this Keras's own that writes variables
-        in each training call, where the window does not take that over."""
-        del layer
+        in each training call, where the window does not take that over
+        (`own_step`: the model trains with a step of the user's own, whose
+        forward pass the window does not see)."""
+        del layer, own_step
         return False
 
     @staticmethod

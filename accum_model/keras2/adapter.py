@@ -76,9 +76,10 @@ class Keras2Adapter(Adapter):
         return getattr(layer, "_random_generator", None) is not None
 
     @staticmethod
-    def writes_variables_per_micro_batch(layer):
+    def writes_variables_per_micro_batch(layer, own_step):
         """Keras 2's `SpectralNormalization` renormalizes its kernel in each
         training call; the window leaves it to the layer."""
+        del own_step
         spectral = getattr(keras.layers, "SpectralNormalization", None)
         return spectral is not None and isinstance(layer, spectral)
 

@@ -57,6 +57,12 @@ class Keras3Adapter(Adapter):
         return bool(getattr(layer, "_seed_generators", ()))
 
     @staticmethod
+    def writes_variables_per_micro_batch(layer, own_step):
+        """`SpectralNormalization` renormalizes once per window in the
+        built-in step; under a step of the user's own, in every call."""
+        return own_step and normalization.renormalizes_kernel(layer)
+
+    @staticmethod
     def plain_step_sums_replicas():
         """Whether Keras's own training step sums the replicas' mean losses
         (so that, under N replicas, it takes N times the one-device
