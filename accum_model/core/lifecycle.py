@@ -205,6 +205,19 @@ class WindowLifecycle:
             self._window_value(name) for name in (
                 "noise_trace_sum", "noise_signal_sum", "noise_estimates")))
 
+    def spectral_writes(self):
+        """When a `SpectralNormalization` layer's writes land in a window:
+        `(vector_u's, the kernel's)`, each a callable returning whether
+        the micro step being run writes it (see
+        `keras3.normalization.normalized_once_per_window`). Where the
+        layer's writes persist, both in the window's first micro step."""
+        return self.opens_window, self.opens_window
+
+    def opens_window(self):
+        """Bool scalar: whether the micro step being run is its window's
+        first."""
+        raise NotImplementedError
+
     def _window_count(self, name):
         """Int. The window's counter `name` ("micro_steps", ...)."""
         return int(self._window_value(name))

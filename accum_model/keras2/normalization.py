@@ -11,11 +11,11 @@ import contextlib
 
 
 @contextlib.contextmanager
-def recording_batch_statistics(layers, opens_window=None):
+def recording_batch_statistics(layers, spectral_writes=None):
     """Records nothing: every layer updates its own statistics.
 
     Yields:
         An empty list (the Keras 3 adapter's holds the recorded moments).
     """
-    del layers, opens_window
+    del layers, spectral_writes
     yield []

@@ -155,13 +155,6 @@ class StatelessAccumulation(WindowLifecycle):
         if state is None:
             return True
         return state.micro_steps == 0
-
-    def spectral_writes(self):
-        """When a `SpectralNormalization` layer's writes land in a window
-        (see `normalization.normalized_once_per_window`): here, where
-        they persist, both in its first micro step."""
-        return self.opens_window, self.opens_window
-
     def accumulator_bytes(self):
         # Per device: a store that keeps one block per device holds one
         # variable's size of each sum on each.

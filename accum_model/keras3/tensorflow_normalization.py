@@ -21,7 +21,7 @@ from accum_model.tensorflow.batch_statistics import StatisticsCall
 
 
 @contextlib.contextmanager
-def recording_batch_statistics(layers, opens_window=None):
+def recording_batch_statistics(layers, spectral_writes=None):
     """Records the moments of `layers`' training calls; suppresses updates.
 
     Only calls made by the thread that entered the block are recorded and
@@ -31,9 +31,9 @@ def recording_batch_statistics(layers, opens_window=None):
     Args:
         layers: The model's layers (`layers_of`); those that
             `pools_moving_statistics` are taken over.
-        opens_window: Callable returning whether this micro step is its
-            window's first (a bool scalar), or None: where given, layers
-            that `renormalizes_kernel` renormalize only then.
+        spectral_writes: None, or where layers that `renormalizes_kernel`
+            renormalize once per window, when their writes land: the
+            accumulation's `spectral_writes()`.
 
     Yields:
         A list that each training-mode call of such a layer appends its
@@ -47,10 +47,10 @@ def recording_batch_statistics(layers, opens_window=None):
         for layer in pooled:
             recorder.hold(layer, "_moments", _recording_moments(layer))
         for layer in layers:
-            if opens_window is not None and renormalizes_kernel(layer):
+            if spectral_writes is not None and renormalizes_kernel(layer):
                 recorder.hold(layer, "normalized_weights",
                               normalized_once_per_window(
-                                  layer, opens_window, opens_window))
+                                  layer, *spectral_writes))
         yield recorder.records
     finally:
         _thread.recorder = outer

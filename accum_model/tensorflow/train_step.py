@@ -36,7 +36,7 @@ def train_step(model, data, details):
         # from the window's pooled moments (see `batch_statistics`).
         with details.recording_batch_statistics(
                 details.layers_of(model),
-                accumulation.opens_window) as statistics:
+                accumulation.spectral_writes()) as statistics:
             y_pred = model(x, training=True)
         # This replica's own mean loss, never divided by the replicas:
         # the window end divides by the whole window's weight instead.
