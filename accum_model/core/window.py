@@ -248,6 +248,15 @@ def ends(state):
         state.steps_left_in_epoch == 0)
 
 
+def ends_with_next(state):
+    """Whether the window ends with the next micro step that counts (as
+    `ends` reads the state once that step is added), known before the
+    step runs."""
+    return ends(state._replace(
+        micro_steps=state.micro_steps + 1,
+        steps_left_in_epoch=state.steps_left_in_epoch - 1))
+
+
 def total_weight(config, state, ops):
     """What the window's gradient sums are divided by: its weight, or 1
     for losses that are sums."""

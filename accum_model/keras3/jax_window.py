@@ -111,9 +111,7 @@ class JaxAccumulation(stateless_window.StatelessAccumulation):
         state = self._traced_window
         if state is None:
             return True
-        return core_window.ends(state._replace(
-            micro_steps=state.micro_steps + 1,
-            steps_left_in_epoch=state.steps_left_in_epoch - 1))
+        return core_window.ends_with_next(state)
 
     def apply_open_window(self):
         # A window no micro step closed (an epoch of unknown length ended

@@ -43,10 +43,11 @@ class PooledStatistics:
     """
 
     def __init__(self, model):
-        self.layers = [layer for layer in layers_of(model)
+        layers = layers_of(model)
+        self.layers = [layer for layer in layers
                        if pools_moving_statistics(layer)]
         # The layers that renormalize their kernel once per window.
-        self.renormalizing = [layer for layer in layers_of(model)
+        self.renormalizing = [layer for layer in layers
                               if renormalizes_kernel(layer)]
         position = {id(v): i
                     for i, v in enumerate(model.non_trainable_variables)}

@@ -155,6 +155,7 @@ class StatelessAccumulation(WindowLifecycle):
         if state is None:
             return True
         return state.micro_steps == 0
+
     def accumulator_bytes(self):
         # Per device: a store that keeps one block per device holds one
         # variable's size of each sum on each.

@@ -74,6 +74,18 @@ def test_the_end_of_an_epoch_ends_a_short_window():
     assert window.ends(state) and int(state.micro_steps) == 2
 
 
+@pytest.mark.parametrize("length, epoch_steps", [(3, -1), (4, 2), (2, 5)])
+def test_the_step_that_will_end_a_window_is_known_before_it_runs(
+        length, epoch_steps):
+    state = window.with_epoch(_state(length=length), epoch_steps, OPS)
+    for step in range(length):
+        predicted = bool(window.ends_with_next(state))
+        state = _add(state, step, 8.0)
+        assert predicted == bool(window.ends(state))
+        if predicted:
+            break
+
+
 def test_unknown_epoch_length_never_ends_a_window_early():
     state = window.with_epoch(_state(length=2), -1, OPS)
     state = _add(state, 0, 8.0)
