@@ -398,7 +398,8 @@ def warn_if_wrapped_modules_keep_batch_statistics(model, warn):
 
 
 def warn_if_layers_add_losses(model, warn):
-    """Warns when layers add losses of their own (`add_loss` in `call`).
+    """Warns when layers add losses of their own (`add_loss` in `call`, or
+    in a method of the user's own that `call` reaches).
 
     Keras adds such a term as the layer computes it, and a window weighs it
     like a mean over its micro-batch, as Keras's regularizers are; a term
@@ -411,8 +412,7 @@ def warn_if_layers_add_losses(model, warn):
     """
     adding = sorted(
         layer.name for layer in adapter.layers_of(model)
-        if "add_loss" in (class_tree.names_used_by_overrides(
-            type(layer), "call", stop_at=None) or ())
+        if "add_loss" in _names_reached_from_call(type(layer))
     )
     if adding:
         warn(

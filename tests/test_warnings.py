@@ -171,8 +171,19 @@ def _fit_messages_with(layer, about):
     return [m for m in _fit_messages(model, x, y) if about in m]
 
 
-def test_layers_that_add_losses_are_named_with_the_fix():
-    messages = _fit_messages_with(_SummedPenalty(name="penalty"), "add_loss")
+class _SummedPenaltyByMethod(keras.layers.Layer):
+    def call(self, inputs):
+        self._penalize(inputs)
+        return inputs
+
+    def _penalize(self, inputs):
+        self.add_loss(0.01 * sum_of_squares(inputs))
+
+
+@pytest.mark.parametrize("layer_class", [_SummedPenalty,
+                                         _SummedPenaltyByMethod])
+def test_layers_that_add_losses_are_named_with_the_fix(layer_class):
+    messages = _fit_messages_with(layer_class(name="penalty"), "add_loss")
     assert len(messages) == 1
     assert "['penalty']" in messages[0]
     assert "Divide such a term by the batch size" in messages[0]
