@@ -8,10 +8,16 @@ samples in the same order. A third, plain on the large batches with each
 batch's samples reversed, is the same training in exact arithmetic: how far
 it lands from the second is the float32 rounding floor. The model itself,
 its optimizer and its state are left as they were.
+
+The plain copies train on one device, the promise's reference: under a
+`tf.distribute` strategy's replicas, plain Keras clips each replica's share
+of the gradient, and before keras 3.8 it sums the replicas' mean losses.
 """
 
 import contextlib
 import dataclasses
+import functools
+import threading
 import warnings
 
 import numpy as np
@@ -139,27 +145,33 @@ def compare_with_large_batch(model, x, y=None, *, batch_size, n_gradients,
     still_random = [layer for layer in random_layers
                     if _random_switch(layer) is None]
 
+    def train(copy_settings, window_batch, order, switch_off_random_layers):
+        """The copy's weights after training, and its warnings."""
+        copy = _compiled_copy(model, copy_settings)
+        if switch_off_random_layers:
+            _switch_off_random_layers(copy)
+        x_, y_, w_ = (_take(part, order) for part in (x, y, sample_weight))
+        keras.utils.set_random_seed(seed)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            copy.fit(x_, y_, sample_weight=w_, batch_size=window_batch,
+                     epochs=1, shuffle=False, verbose=0)
+        return copy.get_weights(), caught
+
     def run(switch_off_random_layers, measure_floor):
         caught = {}
         trained = {}
-        runs = [("accumulating", batch_size, np.arange(samples)),
-                ("large", large_batch, np.arange(samples))]
+        trained["accumulating"], caught["accumulating"] = train(
+            settings, batch_size, np.arange(samples),
+            switch_off_random_layers)
+        runs = [("large", np.arange(samples))]
         if measure_floor:
-            runs.append(("reordered", large_batch,
+            runs.append(("reordered",
                          _reversed_within(samples, large_batch)))
-        for name, window_batch, order in runs:
-            copy = _compiled_copy(model, settings if name == "accumulating"
-                                  else None)
-            if switch_off_random_layers:
-                _switch_off_random_layers(copy)
-            x_, y_, w_ = (_take(part, order) for part in
-                          (x, y, sample_weight))
-            keras.utils.set_random_seed(seed)
-            with warnings.catch_warnings(record=True) as caught[name]:
-                warnings.simplefilter("always")
-                copy.fit(x_, y_, sample_weight=w_, batch_size=window_batch,
-                         epochs=1, shuffle=False, verbose=0)
-            trained[name] = copy.get_weights()
+        for name, order in runs:
+            trained[name], caught[name] = _on_one_device(
+                model, functools.partial(train, None, large_batch, order,
+                                         switch_off_random_layers))
         difference = _max_difference(trained["accumulating"],
                                      trained["large"])
         largest = max((float(np.max(np.abs(w))) for w in trained["large"]
@@ -187,13 +199,6 @@ def compare_with_large_batch(model, x, y=None, *, batch_size, n_gradients,
     checked = difference if without_random is None else without_random
     matches = checked <= FLOOR_FACTOR * floor
     causes = _causes(random_layers, still_random, matches, settings)
-    replicas = adapter.replicas_in_sync(model)
-    if replicas > 1 and adapter.plain_step_sums_replicas():
-        causes.append(
-            f"this Keras's own step sums the {replicas} replicas' mean "
-            "losses (keras before 3.8), so the plain copies took "
-            f"{replicas} times the one-device gradient while accumulation "
-            "follows one device: check on one device, or with keras>=3.8")
     causes += [f"the accumulating copy warned: {message}"
                for message in new_warnings]
     return LargeBatchComparison(
@@ -224,11 +229,40 @@ def _check_arguments(model, x, batch_size, steps):
             f"Received: x of type {type(x).__name__}")
 
 
+def _on_one_device(model, work):
+    """`work()`, run outside the strategy of a `model` on several replicas.
+
+    A strategy's scope holds for the thread that entered it, so a thread of
+    its own runs `work` on one device; it takes Keras's global dtype policy
+    along (Keras 3 keeps it per thread).
+    """
+    if adapter.replicas_in_sync(model) == 1:
+        return work()
+    policy = keras.mixed_precision.global_policy()
+    outcome = {}
+
+    def run():
+        keras.mixed_precision.set_global_policy(policy)
+        try:
+            outcome["value"] = work()
+        except BaseException as error:  # Raised again in the caller.
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
 def _compiled_copy(model, settings):
     """A copy of `model` with its weights, compiled as it is with a fresh
     copy of its optimizer; accumulating with `settings`, or plain Keras
-    where `settings` is None."""
-    strategy = getattr(model, "distribute_strategy", None)
+    where `settings` is None. It is built under the strategy in force in
+    this thread (the model's, or one device's in `_on_one_device`)."""
+    strategy = (getattr(model, "distribute_strategy", None)
+                if settings is not None else None)
     with (strategy.scope() if strategy is not None
           else contextlib.nullcontext()):
         copy = _copy(model)

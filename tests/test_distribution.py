@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from accum_model import AccumulatingModel
-from accum_model._chooser import adapter
 from backends import ON_KERAS_2
+from backends import PLAIN_STEP_SUMS_REPLICAS
 from backends import jax_only
 from backends import keras_2_too
 from backends import keras_3_only
@@ -398,7 +398,7 @@ def test_losses_keras_leaves_undivided_match_one_device(two_replicas, shape):
     # Keras's logs under replicas are not one device's, for its own step
     # too (plain keras 3.6, same weights, learning rate 0: 0.9007 under two
     # replicas, 0.8829 on one device), so this is not checked there.
-    if adapter.plain_step_sums_replicas():
+    if PLAIN_STEP_SUMS_REPLICAS:
         return
     one_device = make(AccumulatingModel, n_gradients=4)
     one_device.compile(optimizer=OPTIMIZERS["sgd"](), loss=loss)

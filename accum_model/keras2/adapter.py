@@ -84,11 +84,6 @@ class Keras2Adapter(Adapter):
         return spectral is not None and isinstance(layer, spectral)
 
     @staticmethod
-    def plain_step_sums_replicas():
-        """Keras 2's own step divides each loss by the replicas."""
-        return False
-
-    @staticmethod
     def logs_for_reduction(logs, strategy):
         """Keras 2 reduces the step's scalar logs over workers itself."""
         del strategy

@@ -61,12 +61,3 @@ class Keras3Adapter(Adapter):
         """`SpectralNormalization` renormalizes once per window in the
         built-in step; under a step of the user's own, in every call."""
         return own_step and normalization.renormalizes_kernel(layer)
-
-    @staticmethod
-    def plain_step_sums_replicas():
-        """Whether Keras's own training step sums the replicas' mean losses
-        (so that, under N replicas, it takes N times the one-device
-        gradient): keras 3.6 and 3.7, which have no
-        `keras.src.losses.loss.scale_loss_for_distribution` (3.8 added it)."""
-        return not hasattr(losses.keras_loss_module,
-                           "scale_loss_for_distribution")
