@@ -31,6 +31,10 @@ from accum_model.core.settings import Settings
 # How far above the rounding floor the accumulating copy may land and still
 # count as the large batch: summation orders differ between the two.
 FLOOR_FACTOR = 10.0
+# The relative spacing of 16-bit floats a layer may compute in: each
+# micro-batch's gradient is rounded to it where the large batch rounds the
+# whole batch's once.
+_EPSILON_16 = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
 # Layers that draw random numbers in training, and what switches each off.
 _RANDOM_LAYER_SWITCHES = {"Dropout": "rate", "SpatialDropout1D": "rate",
                           "SpatialDropout2D": "rate",
@@ -49,7 +53,9 @@ class LargeBatchComparison:
         rounding_floor: Float. How far the large batch lands from itself
             with each batch's samples in another order (at least float32's
             epsilon times the largest weight; that alone where random layers
-            could not be switched off).
+            could not be switched off). Where layers compute in float16 or
+            bfloat16, at least that type's epsilon times the largest change
+            of a weight in the large batch's training.
         matches: Bool. Whether the accumulating copy lands within
             `FLOOR_FACTOR` times `rounding_floor` of the large batch's
             (with their random layers switched off, where the model has
@@ -64,6 +70,8 @@ class LargeBatchComparison:
             rate or stddev set to 0), where the model has any; the rounding
             floor is then measured with them off too.
         windows: Int. Optimizer updates each copy made.
+        rounding_dtype: Str. The coarsest float type the model's layers
+            compute in, whose rounding the floor is.
     """
 
     max_weight_difference: float
@@ -72,23 +80,23 @@ class LargeBatchComparison:
     causes: tuple
     difference_without_random_layers: object
     windows: int
+    rounding_dtype: str = "float32"
 
     def __str__(self):
         verdict = "matches" if self.matches else "differs from"
+        floor = f"{self.rounding_dtype} rounding floor {self.rounding_floor:.2e}"
         without_random = self.difference_without_random_layers
         if without_random is None:
             lines = [
                 f"accumulation {verdict} the large batch over "
                 f"{self.windows} windows: max |weight difference| "
-                f"{self.max_weight_difference:.2e}, float32 rounding floor "
-                f"{self.rounding_floor:.2e}"]
+                f"{self.max_weight_difference:.2e}, {floor}"]
         else:
             lines = [
                 f"accumulation {verdict} the large batch over "
                 f"{self.windows} windows with the copies' random layers "
                 f"switched off: max |weight difference| "
-                f"{without_random:.2e}, float32 rounding floor "
-                f"{self.rounding_floor:.2e}",
+                f"{without_random:.2e}, {floor}",
                 "with them on: max |weight difference| "
                 f"{self.max_weight_difference:.2e}"]
         lines += [f"- {cause}" for cause in self.causes]
@@ -144,6 +152,8 @@ def compare_with_large_batch(model, x, y=None, *, batch_size, n_gradients,
     # Layers with no rate or stddev to set to 0 stay random in every run.
     still_random = [layer for layer in random_layers
                     if _random_switch(layer) is None]
+    start = model.get_weights()
+    rounding_dtype = _coarsest_compute_dtype(model)
 
     def train(copy_settings, window_batch, order, switch_off_random_layers):
         """The copy's weights after training, and its warnings."""
@@ -177,6 +187,9 @@ def compare_with_large_batch(model, x, y=None, *, batch_size, n_gradients,
         largest = max((float(np.max(np.abs(w))) for w in trained["large"]
                        if w.size), default=0.0)
         floor = float(np.finfo(np.float32).eps) * largest
+        if rounding_dtype in _EPSILON_16:
+            floor = max(floor, _EPSILON_16[rounding_dtype] * _max_difference(
+                trained["large"], start))
         if measure_floor:
             floor = max(floor, _max_difference(trained["reordered"],
                                                trained["large"]))
@@ -204,7 +217,8 @@ def compare_with_large_batch(model, x, y=None, *, batch_size, n_gradients,
     return LargeBatchComparison(
         max_weight_difference=difference, rounding_floor=floor,
         matches=matches, causes=tuple(causes),
-        difference_without_random_layers=without_random, windows=windows)
+        difference_without_random_layers=without_random, windows=windows,
+        rounding_dtype=rounding_dtype)
 
 
 def _check_arguments(model, x, batch_size, steps):
@@ -325,6 +339,15 @@ def _reversed_within(samples, batch):
 def _max_difference(weights_a, weights_b):
     return max((float(np.max(np.abs(a - b))) for a, b in
                 zip(weights_a, weights_b) if a.size), default=0.0)
+
+
+def _coarsest_compute_dtype(model):
+    """bfloat16 or float16 where a layer of `model` computes in it
+    (bfloat16, the coarser, where both do), else float32."""
+    computed = {str(layer.compute_dtype)
+                for layer in adapter.layers_of(model)}
+    return next((dtype for dtype in ("bfloat16", "float16")
+                 if dtype in computed), "float32")
 
 
 def _random_layers(model):
