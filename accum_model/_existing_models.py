@@ -12,6 +12,19 @@ from accum_model.core.settings import Settings
 _accumulating_classes = {}
 
 
+def check_is_keras_model(model, taker):
+    """Refuses anything but a model of the Keras that trains, naming the
+    function `taker` that was given it."""
+    if not isinstance(model, keras.Model):
+        raise ValueError(
+            f"`{taker}` takes a model of the Keras behind `tf.keras` in "
+            f"this process, a `{keras.__name__}.Model` (for a tf_keras "
+            "model, set TF_USE_LEGACY_KERAS=1 before TensorFlow is "
+            "imported). Received: model of type "
+            f"{type(model).__module__}.{type(model).__name__}"
+        )
+
+
 def accumulating(model, n_gradients, flush_each_epoch=True,
                  accumulator_dtype="float32", measure_noise_scale=False):
     """Makes an existing Keras model accumulate gradients.
@@ -48,14 +61,7 @@ def accumulating(model, n_gradients, flush_each_epoch=True,
     """
     settings = Settings(n_gradients, flush_each_epoch, accumulator_dtype,
                         measure_noise_scale)
-    if not isinstance(model, keras.Model):
-        raise ValueError(
-            "`accumulating` takes a model of the Keras behind `tf.keras` in "
-            f"this process, a `{keras.__name__}.Model` (for a tf_keras "
-            "model, set TF_USE_LEGACY_KERAS=1 before TensorFlow is "
-            "imported). Received: model of type "
-            f"{type(model).__module__}.{type(model).__name__}"
-        )
+    check_is_keras_model(model, "accumulating")
     if not isinstance(model, AccumulatingModel):
         model.__class__ = accumulating_class(type(model))
     model._accumulate_with(settings)

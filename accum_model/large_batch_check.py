@@ -25,6 +25,7 @@ import numpy as np
 from accum_model._chooser import adapter
 from accum_model._chooser import keras
 from accum_model._existing_models import accumulating
+from accum_model._existing_models import check_is_keras_model
 from accum_model.accumulating_model import AccumulatingModel
 from accum_model.core.settings import Settings
 
@@ -222,10 +223,7 @@ def compare_with_large_batch(model, x, y=None, *, batch_size, n_gradients,
 
 
 def _check_arguments(model, x, batch_size, steps):
-    if not isinstance(model, keras.Model):
-        raise ValueError(
-            "`compare_with_large_batch` takes a `keras.Model`. Received: "
-            f"model of type {type(model).__name__}")
+    check_is_keras_model(model, "compare_with_large_batch")
     if getattr(model, "optimizer", None) is None or adapter.compile_arguments(
             model) is None:
         raise ValueError(

@@ -9,6 +9,7 @@ import pytest
 
 from accum_model import AccumulatingModel
 from accum_model import accumulating
+from accum_model import compare_with_large_batch
 from backends import keras_2_too
 from backends import keras_3_only
 from helpers import iterations
@@ -284,11 +285,16 @@ def test_accumulating_refuses_what_is_not_a_keras_model():
 
 
 @keras_3_only("under Keras 2, tf_keras is the Keras that accumulates")
-def test_accumulating_names_the_fix_for_a_tf_keras_model():
+@pytest.mark.parametrize("taker", ["accumulating", "compare"])
+def test_a_tf_keras_model_is_refused_with_the_fix(taker):
     tf_keras = pytest.importorskip("tf_keras")
     model = tf_keras.Sequential([tf_keras.layers.Dense(1)])
     with pytest.raises(ValueError, match="TF_USE_LEGACY_KERAS=1"):
-        accumulating(model, n_gradients=2)
+        if taker == "accumulating":
+            accumulating(model, n_gradients=2)
+        else:
+            compare_with_large_batch(model, np.zeros((4, 1)), np.zeros(4),
+                                     batch_size=2, n_gradients=2)
 
 
 def test_class_whose_train_step_would_be_shadowed_is_warned_about():
