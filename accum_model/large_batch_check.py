@@ -85,7 +85,8 @@ class LargeBatchComparison:
 
     def __str__(self):
         verdict = "matches" if self.matches else "differs from"
-        floor = f"{self.rounding_dtype} rounding floor {self.rounding_floor:.2e}"
+        floor = (f"{self.rounding_dtype} rounding floor "
+                 f"{self.rounding_floor:.2e}")
         without_random = self.difference_without_random_layers
         if without_random is None:
             lines = [
