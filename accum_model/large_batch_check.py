@@ -231,6 +231,13 @@ def _check_arguments(model, x, batch_size, steps):
             "`compare_with_large_batch` copies the model's compiled loss "
             "and optimizer: call `model.compile(optimizer=..., loss=...)` "
             "first. Received: an uncompiled model")
+    if not model.built:
+        # Each copy would then create weights of its own at random.
+        raise ValueError(
+            "`compare_with_large_batch` starts every copy from the model's "
+            "weights, and this model has none yet: build it first "
+            "(`model.build(input_shape)`, call it on a batch, or begin it "
+            "with `keras.Input`). Received: an unbuilt model")
     for name, value in (("batch_size", batch_size), ("steps", steps)):
         if isinstance(value, bool) or not isinstance(
                 value, (int, np.integer)) or value < 1:

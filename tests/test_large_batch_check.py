@@ -197,6 +197,20 @@ def test_an_uncompiled_model_is_refused():
         compare_with_large_batch(model, x, y, batch_size=8, n_gradients=2)
 
 
+def test_an_unbuilt_model_is_refused_and_checked_once_built():
+    # Each copy of a model with no weights yet would create its own at
+    # random: 1.0 apart, called a difference of accumulation.
+    x, y = regression_data(samples=96)
+    model = keras.Sequential([keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    with pytest.raises(ValueError, match="build it first"):
+        compare_with_large_batch(model, x, y, batch_size=8, n_gradients=4)
+    model.build((None, 6))
+    assert compare_with_large_batch(model, x, y, batch_size=8,
+                                    n_gradients=4).matches
+
+
 @pytest.mark.parametrize("clipping", [{}, {"clipnorm": 0.05}])
 def test_a_model_under_two_replicas_is_checked_against_one_device(
         two_replicas, clipping):
