@@ -154,8 +154,11 @@ def compare_with_large_batch(model, x, y=None, *, batch_size, n_gradients,
     # Layers with no rate or stddev to set to 0 stay random in every run.
     still_random = [layer for layer in random_layers
                     if _random_switch(layer) is None]
-    start = model.get_weights()
     rounding_dtype = _coarsest_compute_dtype(model)
+    # Where 16-bit rounding sets the floor, the weights' change sets its
+    # scale; a float32 model needs no copy of its starting weights.
+    start = (model.get_weights() if rounding_dtype in _EPSILON_16
+             else None)
 
     def train(copy_settings, window_batch, order, switch_off_random_layers):
         """The copy's weights after training, and its warnings."""
