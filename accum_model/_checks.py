@@ -241,8 +241,7 @@ def warn_if_train_step_bypasses_window(model_class):
     names = class_tree.names_used_by_overrides(
         model_class, "train_step", stop_at=base
     )
-    if names is None or {"accumulate_gradients", "train_step",
-                         "stateless_accumulate_gradients"} & names:
+    if names is None or (class_tree.WINDOW_HOOKS | {"train_step"}) & names:
         return
     warnings.warn(
         f"{model_class.__name__}.train_step is overridden and calls neither "

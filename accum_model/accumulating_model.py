@@ -15,8 +15,28 @@ from accum_model import _model_classes
 from accum_model._chooser import adapter
 from accum_model._chooser import keras
 from accum_model._window_callback import WindowCallback
+from accum_model.core import class_tree
 from accum_model.core.settings import Settings
 from accum_model.core.settings import n_gradients_from_config
+
+
+def _computing_losses_per_replica(train_step):
+    """A `train_step` of the user's own that feeds the window, run with
+    Keras's losses left undivided by the replicas.
+
+    Under a strategy Keras's losses (a `keras.losses` object,
+    `compute_loss`) divide by the number of replicas, where a loss written
+    with the backend's ops (`tf.reduce_mean`) does not; the window takes
+    every micro-batch loss as the replica's own mean, as the built-in step
+    computes it.
+    """
+
+    @functools.wraps(train_step)
+    def train_step_of_the_window(self, *args, **kwargs):
+        with adapter.losses_not_divided_by_replicas():
+            return train_step(self, *args, **kwargs)
+
+    return train_step_of_the_window
 
 
 def _setting(name, summary):
@@ -112,6 +132,13 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
     # (`core.class_tree.accumulating_base`) without importing it.
     _accum_model_base = True
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        own_step = cls.__dict__.get("train_step")
+        if own_step is not None and (
+                class_tree.WINDOW_HOOKS & class_tree.names_used_by(own_step)):
+            cls.train_step = _computing_losses_per_replica(own_step)
+
     def __new__(cls, *args, **kwargs):
         return super().__new__(_model_classes.instance_class(cls), *args,
                                **kwargs)
@@ -144,6 +171,8 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
         accumulation = getattr(self, "_accumulation", None)
         if accumulation is None:
             accumulation = adapter.Accumulation(settings)
+            accumulation.own_step_feeds_window = (
+                class_tree.own_step_feeds_window(type(self)))
             accumulation.checkpoint = adapter.WindowCheckpoint(accumulation)
             self._accumulation = accumulation
             # Every checkpoint finds the window under this attribute name.
@@ -404,7 +433,9 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
                 (None where a variable has none), of this replica's
                 micro-batch loss, unscaled (see `get_unscaled_gradients`).
                 The loss is taken to be a mean over `weight` elements, not
-                divided by the number of replicas.
+                divided by the number of replicas (Keras's losses computed
+                in such a step are left undivided). A step that calls this
+                keeps its window even with `n_gradients=1`.
             weight: Scalar. What the micro-batch loss was divided by (for a
                 mean over samples, the number of samples). Windows average
                 micro-batch gradients weighted by it.

@@ -8,6 +8,7 @@ import pytest
 
 from accum_model import AccumulatingModel
 from backends import ON_JAX
+from backends import ON_KERAS_2
 from backends import ON_TENSORFLOW
 from backends import ON_TORCH
 from backends import jax_only
@@ -50,6 +51,33 @@ class TapeStep(AccumulatingModel):
         return {"loss": loss}
 
 
+class KerasLossStep(AccumulatingModel):
+    """The documented step: a `keras.losses` object, which Keras divides by
+    the replicas under a strategy."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError()(y, self(x, training=True))
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.accumulate_gradients(gradients, weight=tf.shape(x)[0],
+                                  batch_size=tf.shape(x)[0])
+        return {"loss": loss}
+
+
+class ComputeLossStep(AccumulatingModel):
+    """A step whose loss is the compiled one, through `compute_loss`."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.accumulate_gradients(gradients, weight=tf.size(y),
+                                  batch_size=tf.shape(x)[0])
+        return {"loss": loss}
+
+
 class ApplyingStep(AccumulatingModel):
     """The pattern that silently stops accumulating."""
 
@@ -79,18 +107,30 @@ def _plain_large_batch(x, y, batch, make_optimizer, epochs):
 
 
 @tensorflow_step
+@pytest.mark.parametrize("n_gradients", [4, 1])
+@pytest.mark.parametrize("step_class", [TapeStep, KerasLossStep,
+                                        ComputeLossStep])
 @pytest.mark.parametrize("replicas", [1, 2])
-def test_gradient_tape_step_matches_large_batch(replicas, two_replicas):
+def test_gradient_tape_step_matches_large_batch(replicas, step_class,
+                                                n_gradients, two_replicas):
+    # Keras's losses (and so `compute_loss`) divide by the replicas under a
+    # strategy, `tf.reduce_mean` does not: the window takes both as this
+    # replica's own mean. A window of 1 is a step of its own too.
     x, y = regression_data(samples=96)
-    plain = _plain_large_batch(x, y, 32, lambda: keras.optimizers.Adam(0.01),
-                               epochs=2)
+    plain = _plain_large_batch(x, y, 8 * n_gradients,
+                               lambda: keras.optimizers.SGD(0.1), epochs=2)
     strategy = two_replicas if replicas == 2 else tf.distribute.get_strategy()
     with strategy.scope():
-        model = mlp(TapeStep, n_gradients=4)
-        model.compile(optimizer=keras.optimizers.Adam(0.01))
+        model = mlp(step_class, n_gradients=n_gradients)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     model.set_weights(mlp(keras.Model).get_weights())
+    if ON_KERAS_2 and replicas == 2 and step_class is KerasLossStep:
+        # Keras 2 refuses a mean-reduced loss object under a strategy.
+        with pytest.raises(ValueError, match="Reduction.SUM"):
+            model.fit(x, y, batch_size=8, verbose=0)
+        return
     _fit_without_warnings(model, x, y)
-    assert iterations(model) == iterations(plain) == 6
+    assert iterations(model) == iterations(plain) == 24 // n_gradients
     assert max_weight_difference(plain, model) <= 1e-5
 
 
@@ -240,19 +280,22 @@ class StatelessStep(AccumulatingModel):
 
 
 @jax_only("a stateless train_step")
+@pytest.mark.parametrize("n_gradients", [4, 1])
 @pytest.mark.parametrize("devices", [1, 2])
-def test_stateless_step_matches_large_batch(devices, two_replicas):
+def test_stateless_step_matches_large_batch(devices, n_gradients,
+                                            two_replicas):
     # 100 samples: the last micro-batch has 4, the last window 1 of them.
     x, y = regression_data(samples=100)
-    plain = _plain_large_batch(x, y, 32, lambda: keras.optimizers.Adam(0.01),
-                               epochs=2)
+    plain = _plain_large_batch(x, y, 8 * n_gradients,
+                               lambda: keras.optimizers.Adam(0.01), epochs=2)
     scope = two_replicas.scope() if devices == 2 else contextlib.nullcontext()
     with scope:
-        model = mlp(StatelessStep, n_gradients=4)
+        model = mlp(StatelessStep, n_gradients=n_gradients)
         model.compile(optimizer=keras.optimizers.Adam(0.01))
         model.set_weights(mlp(keras.Model).get_weights())
         _fit_without_warnings(model, x, y)
-    assert iterations(model) == iterations(plain) == 8
+    assert iterations(model) == iterations(plain) == (
+        8 if n_gradients == 4 else 26)
     assert max_weight_difference(plain, model) <= 1e-5
 
 
@@ -273,16 +316,18 @@ class TorchStep(AccumulatingModel):
 
 @pytest.mark.skipif(not ON_TORCH, reason="PyTorch backend only: a step "
                     "with loss.backward()")
-def test_torch_step_matches_large_batch():
+@pytest.mark.parametrize("n_gradients", [4, 1])
+def test_torch_step_matches_large_batch(n_gradients):
     # 100 samples: the last micro-batch has 4, the last window 1 of them.
     x, y = regression_data(samples=100)
-    plain = _plain_large_batch(x, y, 32, lambda: keras.optimizers.Adam(0.01),
-                               epochs=2)
-    model = mlp(TorchStep, n_gradients=4)
+    plain = _plain_large_batch(x, y, 8 * n_gradients,
+                               lambda: keras.optimizers.Adam(0.01), epochs=2)
+    model = mlp(TorchStep, n_gradients=n_gradients)
     model.compile(optimizer=keras.optimizers.Adam(0.01))
     model.set_weights(mlp(keras.Model).get_weights())
     _fit_without_warnings(model, x, y)
-    assert iterations(model) == iterations(plain) == 8
+    assert iterations(model) == iterations(plain) == (
+        8 if n_gradients == 4 else 26)
     assert max_weight_difference(plain, model) <= 1e-5
 
 

@@ -93,11 +93,31 @@ def names_used_by_overrides(model_class, method_name, stop_at):
         return None
     names = set()
     for cls in overriding:
-        method = cls.__dict__[method_name]
-        code = getattr(inspect.unwrap(method), "__code__", None)
-        codes = [code] if code is not None else []
-        while codes:
-            code = codes.pop()
-            names |= set(code.co_names)
-            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+        names |= names_used_by(cls.__dict__[method_name])
     return names
+
+
+def names_used_by(function):
+    """Global names a function's code refers to, nested functions included."""
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    codes = [code] if code is not None else []
+    names = set()
+    while codes:
+        code = codes.pop()
+        names |= set(code.co_names)
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return names
+
+
+# What a training step of the user's own calls to hand its gradients to the
+# window, on a stateful and a stateless backend.
+WINDOW_HOOKS = frozenset({"accumulate_gradients",
+                          "stateless_accumulate_gradients"})
+
+
+def own_step_feeds_window(model_class):
+    """Whether `model_class` trains with a `train_step` of its own (below
+    the accumulating base) that hands gradients to the window itself."""
+    names = names_used_by_overrides(model_class, "train_step",
+                                    stop_at=accumulating_base(model_class))
+    return bool(names and WINDOW_HOOKS & names)

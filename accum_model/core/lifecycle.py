@@ -34,6 +34,9 @@ class WindowLifecycle:
         epoch: Int. The 0-based epoch being trained.
         weight_from_batch_size: Bool. Whether micro-batches are weighted by
             their number of samples (a loss whose divisor is unknown).
+        own_step_feeds_window: Bool. Whether the model's own `train_step`
+            hands its gradients to the window, which it then keeps even in
+            windows of 1 (Keras's step would never reach it).
     """
 
     def __init__(self, settings):
@@ -43,6 +46,7 @@ class WindowLifecycle:
         self.checkpoint = None
         self.epoch = 0
         self.weight_from_batch_size = False
+        self.own_step_feeds_window = False
         # Micro steps in the current epoch, or -1 when unknown or when
         # windows carry across epochs.
         self._epoch_steps = -1
@@ -58,7 +62,7 @@ class WindowLifecycle:
 
     @property
     def accumulates(self):
-        return self.settings.accumulates
+        return self.settings.accumulates or self.own_step_feeds_window
 
     def window_length(self):
         """Int. Micro-batches per window in the current epoch."""
@@ -99,7 +103,8 @@ class WindowLifecycle:
         # trace: a new length alone (accumulating before and after) keeps
         # the traced step, so that it can change between two epochs of one
         # fit().
-        retrace = (settings.accumulates != self.settings.accumulates
+        retrace = ((settings.accumulates != self.settings.accumulates
+                    and not self.own_step_feeds_window)
                    or _without_length(settings)
                    != _without_length(self.settings))
         self.settings = settings
