@@ -15,6 +15,7 @@ from backends import keras_3_only
 from backends import ON_TENSORFLOW
 from backends import tensorflow_only
 from helpers import keras
+from helpers import fit_both
 from helpers import iterations
 from helpers import max_weight_difference
 from helpers import mlp
@@ -146,3 +147,45 @@ def test_window_of_fully_masked_micro_batches_steps_like_keras():
     assert iterations(model) == iterations(plain) == 2
     assert all(np.isfinite(w).all() for w in model.get_weights())
     assert max_weight_difference(plain, model) <= 1e-6
+
+
+def _padded_tokens():
+    """Token sequences padded with 0: the third micro-batch of 8 is
+    nothing but padding in its first half (one replica's share of two), the
+    fourth in all of it."""
+    rng = np.random.default_rng(4)
+    x = rng.integers(1, 20, size=(32, 6)).astype("int32")
+    x[rng.random(size=x.shape) < 0.3] = 0
+    x[16:20] = 0
+    x[24:32] = 0
+    y = rng.normal(size=(32, 6, 3)).astype("float32")
+    return x, y
+
+
+def _token_model(model_class, **kwargs):
+    keras.utils.set_random_seed(6)
+    inputs = keras.Input((6,), dtype="int32")
+    embedded = keras.layers.Embedding(20, 4, mask_zero=True)(inputs)
+    outputs = keras.layers.Dense(3)(embedded)
+    return model_class(inputs=inputs, outputs=outputs, **kwargs)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_micro_batch_of_padding_alone_adds_nothing(replicas, policy,
+                                                   request):
+    # Keras 2 divides a masked mean by its valid elements, 0 here: its loss
+    # is NaN, and so was every weight after the window (or, under loss
+    # scaling, the window was skipped). The large batch has valid elements.
+    strategy = (request.getfixturevalue("two_replicas") if replicas == 2
+                else None)
+    x, y = _padded_tokens()
+    keras.mixed_precision.set_global_policy(policy)
+    plain, model = fit_both(_token_model, lambda: keras.optimizers.SGD(0.5),
+                            x, y, micro_batch=8, n_gradients=2,
+                            strategy=strategy)
+    assert iterations(model) == iterations(plain) == 4
+    assert model.skipped_windows == 0
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    tolerance = 1e-6 if policy == "float32" else 1e-3
+    assert max_weight_difference(plain, model) <= tolerance

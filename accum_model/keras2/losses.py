@@ -104,7 +104,19 @@ def recording_loss_reductions():
 
     def noting_mask(losses, sample_weight, mask, reduction):
         masks.append(mask)
-        return apply_valid_mask(losses, sample_weight, mask, reduction)
+        if mask is None:
+            return apply_valid_mask(losses, sample_weight, mask, reduction)
+        # Keras 2 reweights the valid elements by total/valid, infinite for
+        # a micro-batch with nothing valid (0 * inf: a NaN loss and NaN
+        # gradients, which a weight of 0 does not cancel). Such a
+        # micro-batch is reweighted as if all were valid, then given
+        # weight 0: the loss and gradient of nothing, 0, as Keras 3's
+        # `divide_no_nan` gives.
+        has_valid = tf.reduce_any(tf.cast(mask, tf.bool))
+        weights = apply_valid_mask(
+            losses, sample_weight,
+            tf.where(has_valid, mask, tf.ones_like(mask)), reduction)
+        return weights * tf.cast(has_valid, weights.dtype)
 
     def recording(losses, sample_weight=None, reduction="sum_over_batch_size",
                   name=None):
