@@ -11,6 +11,8 @@ import difflib
 import math
 import warnings
 
+import numpy as np
+
 from accum_model._chooser import adapter
 from accum_model.core import class_tree
 from accum_model.core.messages import names_in_brief
@@ -424,6 +426,70 @@ def warn_if_layers_add_losses(model, warn):
         )
 
 
+def warn_if_activity_penalties_are_not_sums(model, warn):
+    """Warns when a layer's activity regularizer is not a sum over the
+    samples of its batch.
+
+    Keras divides every activity penalty by the batch size, which makes a
+    sum of per-sample penalties (Keras's own `L1`, `L2`) a mean over the
+    batch, exact under a window. A regularizer that is already a mean, or
+    a function of the batch's statistics (a sparsity penalty on the mean
+    activation), is not: in a micro-batch it weighs n_gradients times as
+    much, or is taken of other statistics, and no weighting of the
+    micro-batches gives the large batch's. A regularizer is a sum when its
+    value on a batch given twice is twice its value on the batch; tried on
+    activations of the layer's output shape (or of 4 values where that is
+    not known).
+
+    Args:
+        model: The model about to train.
+        warn: Callable taking a message, warning once per model.
+    """
+    not_sums = []
+    for layer in adapter.layers_of(model):
+        regularizer = getattr(layer, "activity_regularizer", None)
+        if regularizer is None or class_tree.is_keras_class(
+                type(regularizer)):
+            continue
+        activations = np.random.default_rng(0).uniform(
+            0.05, 0.95, size=(3,) + _sample_shape(layer)).astype("float32")
+        try:
+            once = adapter.value_of_call(regularizer, activations)
+            twice = adapter.value_of_call(
+                regularizer, np.concatenate([activations, activations]))
+        except Exception:  # noqa: BLE001 - any failure: it cannot be told
+            not_sums.append(layer.name)
+            continue
+        if not math.isclose(twice, 2.0 * once, rel_tol=1e-4, abs_tol=1e-12):
+            not_sums.append(layer.name)
+    if not_sums:
+        warn(
+            f"Layers {not_sums} have an activity regularizer that is not a "
+            "sum over the samples of its batch (on activations given twice "
+            "it did not give twice its value, or could not be tried). Keras "
+            "divides every activity penalty by the batch size: a sum of "
+            "per-sample penalties (as keras.regularizers.L2) becomes a mean, "
+            "exact under accumulation, but a mean, or a penalty on the "
+            "batch's statistics (a sparsity penalty on the mean "
+            "activation), is taken of each micro-batch and weighs "
+            "n_gradients times as much: no weighting of the micro-batches "
+            "gives the large batch's. Return the sum of per-sample "
+            "penalties, or accept the difference."
+        )
+
+
+def _sample_shape(layer):
+    """The shape of one sample of `layer`'s output, or (4,) where it is not
+    known (a layer not built functionally, or called more than once)."""
+    try:
+        shape = tuple(layer.output.shape[1:])
+    except (AttributeError, ValueError, RuntimeError):
+        return (4,)
+    if any(d is None for d in shape):
+        return (4,)
+    return shape
+
+
 # What a layer's `call` names where it writes a variable of its own.
 _VARIABLE_WRITES = ("assign", "assign_add", "assign_sub")
 
@@ -559,6 +625,7 @@ def check_ready_to_accumulate(model, requested_class):
     warn = model._accumulation.warn_once
     warn_if_batch_statistics_differ(model, warn)
     warn_if_layers_add_losses(model, warn)
+    warn_if_activity_penalties_are_not_sums(model, warn)
     warn_if_layers_write_variables(model, warn)
     warn_if_layers_carry_state(model, warn)
     warn_if_accumulators_round_float64_weights(model, warn)

@@ -12,7 +12,9 @@ from accum_model import accumulating
 from accum_model._chooser import adapter
 from backends import ON_TORCH
 from backends import keras_2_too
+from helpers import fit_both
 from helpers import keras
+from helpers import max_weight_difference
 from helpers import regression_data
 from helpers import sum_of_squares
 from helpers import weights_file
@@ -326,3 +328,84 @@ def test_many_layers_are_named_by_count_and_a_few():
     assert "6 (bn_0, bn_1, bn_2, ...;" in told[0]
     assert "bn_5" not in told[0]
     assert "_flatten_layers()" in told[0]
+
+
+# Activity regularizers of one's own, in either Keras's ops.
+_ops = getattr(keras, "ops", None) or keras.backend
+
+
+def _mean_penalty(activations):
+    return 0.5 * _ops.mean(_ops.square(activations))
+
+
+def _summed_penalty(activations):
+    return 0.05 * _ops.sum(_ops.square(activations))
+
+
+def _sparsity_penalty(activations, target=0.1):
+    """KL divergence of a target from the batch's mean activation."""
+    mean = _ops.mean(activations, axis=0)
+    return _ops.sum(target * _ops.log(target / mean) + (1 - target)
+                    * _ops.log((1 - target) / (1 - mean)))
+
+
+def _sigmoid_regularized(regularizer):
+    def build(model_class, **kwargs):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((6,))
+        hidden = keras.layers.Dense(8, activation="sigmoid",
+                                    activity_regularizer=regularizer,
+                                    name="hidden")(inputs)
+        return model_class(inputs=inputs,
+                           outputs=keras.layers.Dense(3)(hidden), **kwargs)
+    return build
+
+
+@pytest.mark.parametrize("regularizer", [
+    _mean_penalty, _sparsity_penalty, _summed_penalty, "l2"])
+def test_activity_regularizers_are_named_where_they_leave_the_large_batch(
+        regularizer):
+    # Keras divides an activity penalty by the batch size: a sum of
+    # per-sample penalties is exact, a mean or a penalty on the batch's
+    # mean is not, and fit() says which.
+    x, y = regression_data(samples=32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain, model = fit_both(_sigmoid_regularized(regularizer),
+                                lambda: keras.optimizers.SGD(0.5), x, y,
+                                micro_batch=4, n_gradients=4)
+    named = [str(w.message) for w in caught
+             if "activity regularizer" in str(w.message)]
+    exact = max_weight_difference(plain, model) <= 1e-6
+    assert len(named) == (0 if exact else 1)
+    assert exact == (regularizer in (_summed_penalty, "l2"))
+    if named:
+        assert "['hidden']" in named[0]
+
+
+def test_activity_penalty_beside_a_loss_of_valid_elements_is_named():
+    # `ignore_class` makes the loss a mean over the labels not ignored, the
+    # weight of each micro-batch; the activity penalty is per sample.
+    x, _ = regression_data(samples=32)
+    labels = (np.abs(x[:, 0] * 3).astype("int32") % 3)
+
+    def build(model_class, **kwargs):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((6,))
+        hidden = keras.layers.Dense(8, activation="tanh",
+                                    activity_regularizer="l2",
+                                    name="hidden")(inputs)
+        return model_class(inputs=inputs,
+                           outputs=keras.layers.Dense(3)(hidden), **kwargs)
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                      ignore_class=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain, model = fit_both(build, lambda: keras.optimizers.SGD(0.5), x,
+                                labels, micro_batch=4, n_gradients=4,
+                                loss=loss)
+    named = [str(w.message) for w in caught
+             if "activity penalty" in str(w.message)]
+    assert max_weight_difference(plain, model) > 1e-5
+    assert len(named) == 1 and "['hidden']" in named[0]

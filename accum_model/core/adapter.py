@@ -22,6 +22,8 @@ A subclass also gives:
   `stateless_accumulate_gradients` (a stateless one; the base refuses
   the hook the step does not use), `track_loss`,
   `logged_loss_totals`, `float16_gradient_flags`, `check_strategy`.
+* Values: `value_of_call(function, array)`, a function of a NumPy array
+  as the backend's tensor, as a float.
 * Keras's loop and files: `layers_of`, `steps_per_execution`,
   `micro_steps_in_epoch`, `model_keyword_arguments`, `learning_rate_of`,
   `scalable_learning_rate`, `serialize_as`, `register_plain_name`,

@@ -61,15 +61,19 @@ class Reduction:
         dependence: None, `SCALAR`, `WHOLE_BATCH` or `IN_BATCH`: how the
             loss hangs on its batch beyond the reduction.
         loss_name: Str. The loss, as messages name it.
+        counts_valid: Bool. Whether the divisor counts only some elements
+            (a mask, `ignore_class`, or the sum of the sample weights), so
+            that it is not in proportion to the samples.
     """
 
     def __init__(self, reduction, divisor, may_vary, dependence=None,
-                 loss_name="the loss"):
+                 loss_name="the loss", counts_valid=False):
         self.reduction = reduction
         self.divisor = divisor
         self.may_vary = may_vary
         self.dependence = dependence
         self.loss_name = loss_name
+        self.counts_valid = counts_valid
 
 
 def reduction_of(values, reduction, ops, mask=None, weight_sum=None,
@@ -100,10 +104,11 @@ def reduction_of(values, reduction, ops, mask=None, weight_sum=None,
     if reduction == SUM:
         return Reduction(SUM, None, may_vary=False, **described)
     if weight_sum is not None:
-        return Reduction(reduction, weight_sum, may_vary=True, **described)
+        return Reduction(reduction, weight_sum, may_vary=True,
+                         counts_valid=True, **described)
     if mask is not None:
         return Reduction(reduction, ops.count_true(mask), may_vary=True,
-                         **described)
+                         counts_valid=True, **described)
     unknown_length = any(d is None for d in values.shape[1:])
     return Reduction(reduction, ops.count(values), may_vary=unknown_length,
                      **described)
@@ -333,15 +338,18 @@ def _warn_once(model_name, message):
     warn_once(model_name, f"{model_name}: {message}")
 
 
-def warn_if_activity_penalty_is_masked(model, y_pred, get_mask, ops):
+def warn_if_activity_penalty_is_misweighted(model, y_pred, get_mask, ops):
     """Warns (once) where one micro-batch weight cannot fit every loss term.
 
-    With a Keras mask on the output, a micro-batch is weighted by its valid
-    elements, right for the masked loss; an activity regularizer adds a
-    per-sample penalty, which the large batch weights by samples.
+    Where the loss divides by valid elements (a Keras mask on the output,
+    a mask the loss makes itself such as `ignore_class`, or a mean weighted
+    by the sample weights), a micro-batch is weighted by them, right for
+    the loss; an activity regularizer adds a per-sample penalty, which the
+    large batch weights by samples.
 
     Args:
-        model: The accumulating model, in its training step.
+        model: The accumulating model, in its training step, with the
+            reductions of its loss terms in `_traced_loss_reductions`.
         y_pred: The predictions.
         get_mask: Callable returning a tensor's Keras mask, or None.
         ops: The backend's `ShapeOps`.
@@ -350,19 +358,23 @@ def warn_if_activity_penalty_is_masked(model, y_pred, get_mask, ops):
     base = class_tree.accumulating_base(model_class)
     if model_class.micro_batch_weight is not base.micro_batch_weight:
         return
-    masked = any(get_mask(output) is not None
-                 for output in ops.flatten(y_pred) if output is not None)
+    reductions = getattr(model, "_traced_loss_reductions", [])
+    valid_only = any(r.counts_valid for r in reductions) or any(
+        get_mask(output) is not None
+        for output in ops.flatten(y_pred) if output is not None)
     regularized = [
         layer.name for layer in model._flatten_layers()
         if getattr(layer, "activity_regularizer", None) is not None
     ]
-    if masked and regularized:
+    if valid_only and regularized:
         warn_once(
             model_class,
-            "The output carries a Keras mask, so each micro-batch is "
-            "weighted by its valid elements, but layers "
+            "The loss divides each micro-batch by its valid elements (a "
+            "Keras mask, `ignore_class`, or a mean weighted by the sample "
+            "weights), so each micro-batch is weighted by them, but layers "
             f"{regularized} add an activity penalty per sample: the window "
-            "then weights that penalty unlike the large batch does. Override "
-            "`micro_batch_weight` (e.g. to return the batch size), or drop "
-            "the activity regularizer, to make the trade-off explicit.",
+            "then weights that penalty unlike the large batch does, and no "
+            "one weight is right for both. Override `micro_batch_weight` "
+            "(e.g. to return the batch size), or drop the activity "
+            "regularizer, to make the trade-off explicit.",
         )

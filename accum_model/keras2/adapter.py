@@ -84,6 +84,11 @@ class Keras2Adapter(Adapter):
         return spectral is not None and isinstance(layer, spectral)
 
     @staticmethod
+    def value_of_call(function, array):
+        """Float. `function` of the NumPy `array` as a tensor, eagerly."""
+        return float(tf.convert_to_tensor(function(tf.constant(array))))
+
+    @staticmethod
     def logs_for_reduction(logs, strategy):
         """Keras 2 reduces the step's scalar logs over workers itself."""
         del strategy

@@ -50,6 +50,13 @@ class Keras3Adapter(Adapter):
     steps_per_execution = staticmethod(loop.steps_per_execution)
 
     @staticmethod
+    def value_of_call(function, array):
+        """Float. `function` of the NumPy `array` as a tensor, eagerly."""
+        ops = keras.ops
+        return float(ops.convert_to_numpy(function(
+            ops.convert_to_tensor(array))))
+
+    @staticmethod
     def draws_random_numbers(layer):
         """Whether `layer` holds a random generator of its own: Keras 3
         tracks every `SeedGenerator` a layer is given in its private

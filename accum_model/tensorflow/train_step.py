@@ -72,7 +72,7 @@ def train_step(model, data, details):
         and not accumulation.weight_from_batch_size
         and divisor.is_summed(reductions)
     )
-    divisor.warn_if_activity_penalty_is_masked(
+    divisor.warn_if_activity_penalty_is_misweighted(
         model, y_pred, details.get_keras_mask, TF_SHAPES)
     # The loss in logs is the window's, logged once when it ends.
     accumulation.add_micro_batch(gradients, weight, batch_size,
