@@ -563,3 +563,33 @@ def test_loss_scaling_compiled_after_a_first_fit_checks_the_float16_sum():
     assert model.skipped_windows == 16 - iterations(plain)
     assert iterations(model) == iterations(plain)
     assert max_weight_difference(plain, model) <= 1e-5
+
+
+@pytest.mark.parametrize("reduction", ["sum", "sum_over_batch_size"])
+def test_summed_loss_overflows_where_the_large_batch_does(reduction):
+    # Each sample's term in the backward pass is 2 * 2.5 * scale. A summed
+    # loss is not divided by the batch: in the large batch those terms
+    # overflow float16 at the scales 2**15 and 2**14 and fit at 2**13, and
+    # a micro-batch's must too (a mean's are divided by 32 in the large
+    # batch, by 8 in a micro-batch: the window scales them by 1/4).
+    rng = np.random.default_rng(0)
+    x = (0.01 * rng.normal(size=(64, 4))).astype("float32")
+    y = np.full((64, 1), 2.5, "float32")
+
+    def build(model_class, **kwargs):
+        inputs = keras.Input((4,))
+        # No bias: its gradient would sum the terms in float16 over the
+        # batch, overflowing by itself.
+        outputs = keras.layers.Dense(1, use_bias=False,
+                                     kernel_initializer="zeros")(inputs)
+        return model_class(inputs=inputs, outputs=outputs, **kwargs)
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    plain, model = fit_both(build, lambda: keras.optimizers.SGD(1e-4), x, y,
+                            micro_batch=8, n_gradients=4, epochs=2,
+                            loss=keras.losses.MeanSquaredError(
+                                reduction=reduction))
+    assert loss_scale(model.optimizer) == loss_scale(plain.optimizer) == (
+        2.0**13 if reduction == "sum" else 2.0**15)
+    assert iterations(model) == iterations(plain)
+    assert max_weight_difference(plain, model) <= 1e-6

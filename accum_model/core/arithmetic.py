@@ -72,15 +72,18 @@ def window_loss(loss_sum, total_weight, divide_by_weight, ops):
 
 
 def micro_batch_share(length, micro_steps, steps_left_in_epoch, replicas,
-                      ops):
+                      ops, divide_by_weight=True):
     """Float32: the part of its window one replica's micro-batch is.
 
     1/(n * replicas), where n is the window's `length`, or the micro steps
     the epoch has left when those are fewer (`steps_left_in_epoch` counts
     this step; negative when unknown). A micro-batch's loss scaled by the
     loss scale times this share has the large batch's per-sample terms in
-    its backward pass, so it overflows where the large batch would.
+    its backward pass, so it overflows where the large batch would. A loss
+    reduced with "sum" (`divide_by_weight` False) has them already: 1.
     """
+    if not divide_by_weight:
+        return ops.to_float32(1.0)
     expected = ops.where(
         steps_left_in_epoch >= 0,
         ops.minimum(length, micro_steps + steps_left_in_epoch), length,

@@ -146,7 +146,7 @@ class StatelessAccumulation(WindowLifecycle):
             return 1.0
         return arithmetic.micro_batch_share(
             state.length, state.micro_steps, state.steps_left_in_epoch, 1,
-            KERAS_OPS)
+            KERAS_OPS, self.divide_by_weight)
 
     def opens_window(self):
         """Bool scalar: whether the micro step being run is its window's

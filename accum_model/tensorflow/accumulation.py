@@ -78,7 +78,8 @@ class TensorFlowAccumulation(WindowLifecycle):
             return tf.constant(1.0)
         return arithmetic.micro_batch_share(
             window.length, window.micro_steps, window.steps_left_in_epoch,
-            window.strategy.num_replicas_in_sync, TF_OPS)
+            window.strategy.num_replicas_in_sync, TF_OPS,
+            window.divide_by_weight)
 
     def opens_window(self):
         """Bool scalar: whether the micro step being run is its window's

@@ -52,6 +52,16 @@ def train_step(model, data, details):
             model.trainable_variables, model.distribute_strategy,
             [record.call for record in statistics],
         )
+        # Losses reduced with "sum" divide by nothing: nor does their
+        # window, and each micro-batch's scaled loss is the large batch's
+        # share (decided here for the default weight; an override's weight
+        # always divides).
+        summed = (
+            class_tree.has_default_micro_batch_weight(type(model))
+            and not accumulation.weight_from_batch_size
+            and divisor.is_summed(reductions)
+        )
+        accumulation.window.divide_by_weight = not summed
         scaled_loss = model.get_scaled_loss(loss)
     window = accumulation.window
     gradients = tape.gradient(scaled_loss, window.trainable_variables)
@@ -63,14 +73,6 @@ def train_step(model, data, details):
     # divides by the window's total weight.
     weight = tf.cast(
         model.micro_batch_weight(x, y, y_pred, sample_weight), tf.float32
-    )
-    # Losses reduced with "sum" divide by nothing: nor does their window
-    # (decided here for the default weight; an override's weight always
-    # divides).
-    summed = (
-        class_tree.has_default_micro_batch_weight(type(model))
-        and not accumulation.weight_from_batch_size
-        and divisor.is_summed(reductions)
     )
     divisor.warn_if_activity_penalty_is_misweighted(
         model, y_pred, details.get_keras_mask, TF_SHAPES)

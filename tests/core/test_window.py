@@ -640,3 +640,13 @@ def test_a_reset_takes_the_stores_zero_sums_where_given():
     skipped = window.skipped(state, OPS, zeros)
     assert all(a is b for a, b in zip(skipped.gradient_sums, zeros))
     assert int(skipped.skipped_windows) == 1
+
+
+@pytest.mark.parametrize("divide_by_weight, share", [(True, 1 / 8),
+                                                     (False, 1.0)])
+def test_a_summed_loss_keeps_the_whole_loss_scale(divide_by_weight, share):
+    # A mean's per-sample terms in a micro-batch of a window of 4 on 2
+    # replicas are 8 times the large batch's; a sum's are the large batch's.
+    assert arithmetic.micro_batch_share(
+        np.int32(4), np.int32(0), np.int32(-1), 2, OPS,
+        divide_by_weight) == pytest.approx(share)
