@@ -434,3 +434,28 @@ def test_strategies_over_one_device_match_the_large_batch(kind):
     assert iterations(model) == iterations(plain) == 8
     assert max_weight_difference(plain, model) <= TOLERANCE
 
+
+
+@tensorflow_only("a Python generator under a MirroredStrategy")
+def test_every_micro_batch_of_a_python_generator_trains(two_replicas):
+    # Keras builds the model before training from a batch it takes from the
+    # generator's iterator, which reads ahead and is then dropped: batches
+    # of the generator never reach training (plain Keras too). The window
+    # builds from the data's specification and sees all ten micro-batches
+    # (windows of 4, 4 and 2).
+    x, y = regression_data(samples=20)
+    plain = mlp(keras.Model)
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+
+    def micro_batches():
+        for start in range(0, 20, 2):
+            yield x[start:start + 2], y[start:start + 2]
+
+    with two_replicas.scope():
+        model = mlp(AccumulatingModel, n_gradients=4)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    for _ in range(2):
+        model.fit(micro_batches(), epochs=1, shuffle=False, verbose=0)
+    assert iterations(model) == iterations(plain) == 6
+    assert max_weight_difference(plain, model) <= TOLERANCE

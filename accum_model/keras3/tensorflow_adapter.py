@@ -108,18 +108,17 @@ def symbolic_build_from_local_batch(model, iterator):
     for step in _epoch_steps(iterator):
         # The data iterator comes last: (begin, end, iterator) in keras
         # 3.11+, (step, iterator) before.
-        batch = next(step[-1])
+        spec = step[-1].element_spec
         break
     else:
         return
 
     def local(value):
-        if isinstance(value, tf.distribute.DistributedValues):
-            return strategy.experimental_local_results(value)[0]
-        return value
+        specs = getattr(value, "_value_specs", None)
+        return value if specs is None else specs[0]
 
     with strategy.scope():
-        model._symbolic_build(data_batch=tree.map_structure(local, batch))
+        model._symbolic_build(data_batch=tree.map_structure(local, spec))
 
 
 def _epoch_steps(epoch_iterator):
