@@ -77,10 +77,12 @@ def accumulating_class(cls):
     accumulating = _accumulating_classes.get(cls)
     if accumulating is None:
         # Not marked generated: it is the class the user's model now has.
+        functional = cls is adapter.Functional
         accumulating = _model_classes.subclass_like(
             cls, (AccumulatingModel, cls), generated=False,
-            serialized_as=(AccumulatingModel
-                           if cls is adapter.Functional else cls),
+            serialized_as=AccumulatingModel if functional else cls,
+            # Saved as `cls`, it loads as a model that does not accumulate.
+            namespace={"_accum_model_loads_plain": not functional},
         )
         if cls is adapter.Functional:
             _model_classes.claim_functional_constructor(

@@ -382,6 +382,23 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
             )
         )
 
+    def save(self, filepath, *args, **kwargs):
+        open_steps = self._accumulation.open_micro_steps()
+        if open_steps and getattr(type(self), "_accum_model_loads_plain",
+                                  False):
+            warnings.warn(
+                f"The file holds the open window ({open_steps} "
+                "micro-batches accumulated and not yet applied), but "
+                f"`load_model` gives back a plain {type(self).__name__}, "
+                "which does not read the window: after loading, call "
+                "`accumulating(model, ...)`, compile, build the optimizer "
+                "(`model.optimizer.build(model.trainable_variables)`) and "
+                f"`model.load_weights({str(filepath)!r})` to restore it. "
+                "Or call `model.apply_open_window()` before saving.",
+                stacklevel=2,
+            )
+        return super().save(filepath, *args, **kwargs)
+
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function

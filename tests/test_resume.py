@@ -6,10 +6,13 @@ the micro-batches that follow it. Both runs must end equal. Checkpoints
 and backups run under Keras 2 too.
 """
 
+import warnings
+
 import numpy as np
 import pytest
 
 from accum_model import AccumulatingModel
+from accum_model import accumulating
 from backends import ON_TENSORFLOW
 from backends import ON_KERAS_2
 from backends import keras_2_too
@@ -437,3 +440,50 @@ def test_window_loaded_into_another_n_gradients_ends_then_takes_the_new(
         updates.append(iterations(model))
     # The saved optimizer had applied 1 update.
     assert updates == [1, 2, 2, 3, 3, 4]
+
+
+def _accumulating_sequential():
+    keras.utils.set_random_seed(1)
+    model = accumulating(keras.Sequential([
+        keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+        keras.layers.Dense(3)]), n_gradients=N_GRADIENTS)
+    model.compile(optimizer=make_optimizer("adam"), loss="mse")
+    return model
+
+
+@_KERAS_3_FILES
+def test_a_sequential_saved_mid_window_says_how_to_get_its_window_back(
+        tmp_path):
+    # A Sequential made accumulating saves as a Sequential, and
+    # `load_model` gives back a plain one that leaves the window in the
+    # file: the save names the way back, which resumes exactly.
+    x, y = _data()
+    reference = _accumulating_sequential()
+    reference.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0)
+    file = str(tmp_path / "mid.keras")
+    interrupted = _accumulating_sequential()
+    with pytest.warns(UserWarning, match="load_weights") as caught:
+        interrupted.fit(x, y, batch_size=MICRO_BATCH, shuffle=False,
+                        verbose=0, callbacks=[_AfterMicroBatch(
+                            SAVED_AFTER, lambda m: m.save(file))])
+    named = [str(w.message) for w in caught
+             if "load_weights" in str(w.message)]
+    assert len(named) == 1 and "(2 micro-batches" in named[0]
+
+    resumed = accumulating(keras.models.load_model(file),
+                           n_gradients=N_GRADIENTS)
+    resumed.optimizer.build(resumed.trainable_variables)
+    resumed.load_weights(file)
+    assert resumed._accumulation.open_micro_steps() == 2
+    _rest_of_the_epoch(resumed)
+    assert iterations(resumed) == iterations(reference) == 3
+    assert max_weight_difference(resumed, reference) <= 2e-5
+
+
+@_KERAS_3_FILES
+def test_a_functional_model_saved_mid_window_is_quiet(tmp_path):
+    file = str(tmp_path / "mid.keras")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        _first_run_saving("adam", _AfterMicroBatch(
+            SAVED_AFTER, lambda m: m.save(file)))
