@@ -478,6 +478,44 @@ def warn_if_activity_penalties_are_not_sums(model, warn):
         )
 
 
+def warn_if_backups_fall_inside_windows(model, callbacks, warn):
+    """Warns when a `BackupAndRestore` with an integer `save_freq` can back
+    up inside a window.
+
+    Keras restores such a backup by replaying its epoch from the first
+    batch, on top of the weights and the window saved: the micro-batches
+    before the backup are fed a second time into a window that already
+    holds those of the open window. A backup at a window boundary holds no
+    open window and replays as plain Keras's large batch does.
+
+    Args:
+        model: The model about to train.
+        callbacks: `fit()`'s callbacks (a list or a `CallbackList`), or
+            None.
+        warn: Callable taking a message, warning once per model.
+    """
+    callbacks = getattr(callbacks, "callbacks", callbacks) or []
+    settings = model._accumulation.settings
+    lengths = (set(settings.n_gradients.values())
+               if isinstance(settings.n_gradients, dict)
+               else {settings.n_gradients})
+    for callback in callbacks:
+        save_freq = getattr(callback, "save_freq", None)
+        if (isinstance(callback, adapter.keras.callbacks.BackupAndRestore)
+                and isinstance(save_freq, int)
+                and not isinstance(save_freq, bool)
+                and any(save_freq % length for length in lengths)):
+            warn(
+                f"BackupAndRestore(save_freq={save_freq}) backs up inside "
+                f"windows of n_gradients={settings.n_gradients!r} "
+                "micro-batches. Keras restores such a backup by replaying "
+                "its epoch from the first batch on top of the saved window, "
+                "which then holds micro-batches twice: the resumed run "
+                "leaves the large batch's. Give `save_freq` a multiple of "
+                "every window's length, or 'epoch'."
+            )
+
+
 def _sample_shape(layer):
     """The shape of one sample of `layer`'s output, or (4,) where it is not
     known (a layer not built functionally, or called more than once)."""

@@ -364,6 +364,8 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
             )
         self._check_ready_to_accumulate()
         args, kwargs = WindowCallback.added_to_fit_arguments(self, args, kwargs)
+        _checks.warn_if_backups_fall_inside_windows(
+            self, kwargs.get("callbacks"), self._accumulation.warn_once)
         _checks.check_micro_batches_split_evenly(kwargs)
         return super().fit(*args, **kwargs)
 

@@ -487,3 +487,60 @@ def test_a_functional_model_saved_mid_window_is_quiet(tmp_path):
         warnings.simplefilter("error", UserWarning)
         _first_run_saving("adam", _AfterMicroBatch(
             SAVED_AFTER, lambda m: m.save(file)))
+
+
+class _StopAfterBatch(keras.callbacks.Callback):
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            raise KeyboardInterrupt("preempted")
+
+
+def _backed_up_and_resumed(make_model, batch_size, save_freq, stop_after,
+                           directory):
+    """Two epochs, preempted in the first after batch `stop_after`, then
+    resumed from `BackupAndRestore(save_freq=save_freq)`."""
+    x, y = _data()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(KeyboardInterrupt):
+            make_model().fit(
+                x, y, batch_size=batch_size, epochs=2, shuffle=False,
+                verbose=0, callbacks=[
+                    keras.callbacks.BackupAndRestore(directory,
+                                                     save_freq=save_freq),
+                    _StopAfterBatch(stop_after)])
+    resumed = make_model()
+    resumed.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False,
+                verbose=0, callbacks=[keras.callbacks.BackupAndRestore(
+                    directory, save_freq=save_freq)])
+    named = [str(w.message) for w in caught
+             if "BackupAndRestore" in str(w.message)]
+    return resumed, named
+
+
+@keras_3_only("Keras 2's BackupAndRestore resumes mid-epoch")
+@pytest.mark.parametrize("save_freq", [4, 6])
+def test_backups_inside_a_window_are_named(save_freq, tmp_path):
+    # Keras replays the epoch of a mid-epoch backup from its first batch.
+    # A backup at a window's end replays as plain Keras's large batch does
+    # under the same preemption (after its second batch of 32); one inside
+    # a window cannot, and fit() says so before training.
+    def plain_model():
+        model = mlp(keras.Model)
+        model.compile(optimizer=make_optimizer("adam"), loss="mse")
+        return model
+
+    plain, _ = _backed_up_and_resumed(plain_model, 32, 1, 1,
+                                      str(tmp_path / "plain"))
+    resumed, named = _backed_up_and_resumed(
+        lambda: compiled("adam"), MICRO_BATCH, save_freq, 7,
+        str(tmp_path / "window"))
+    exact = max_weight_difference(plain, resumed) <= 2e-5
+    assert exact == (save_freq == 4)
+    assert len(named) == (0 if exact else 1)
+    if named:
+        assert "save_freq=6" in named[0] and "'epoch'" in named[0]
