@@ -459,3 +459,55 @@ def test_every_micro_batch_of_a_python_generator_trains(two_replicas):
         model.fit(micro_batches(), epochs=1, shuffle=False, verbose=0)
     assert iterations(model) == iterations(plain) == 6
     assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+class _TemperatureLoss(keras.layers.Layer):
+    """Holds a learnable temperature that the loss reads."""
+
+    def build(self, input_shape):
+        self.temperature = self.add_weight(shape=(), initializer="ones")
+
+    def call(self, inputs):
+        return inputs
+
+
+@keras_3_only("keras.ops in the loss")
+@pytest.mark.parametrize("reads", ["kernel_penalty", "temperature"])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_loss_that_reads_weights_matches_one_device(reads, replicas,
+                                                      request):
+    # The loss's own path to a weight, besides the predictions': under
+    # DataParallel each device's pass gives the predictions' part, and the
+    # loss's own part is the whole micro-batch's.
+    strategy = (request.getfixturevalue("two_replicas") if replicas == 2
+                else None)
+
+    def build(model_class, **kwargs):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((6,))
+        hidden = keras.layers.Dense(8, activation="tanh",
+                                    name="hidden")(inputs)
+        outputs = _TemperatureLoss(name="held")(keras.layers.Dense(3)(hidden))
+        model = model_class(inputs=inputs, outputs=outputs, **kwargs)
+        kernel = model.get_layer("hidden").kernel
+        temperature = model.get_layer("held").temperature
+
+        def loss(y_true, y_pred):
+            squared = keras.ops.square(y_true - y_pred)
+            if reads == "temperature":
+                return keras.ops.mean(squared / temperature, axis=-1) + (
+                    0.1 * keras.ops.log(temperature))
+            return keras.ops.mean(squared, axis=-1) + 0.01 * keras.ops.sum(
+                keras.ops.square(kernel))
+
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+        return model
+
+    x, y = regression_data(samples=64)
+    plain = build(keras.Model)
+    plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    with (strategy.scope() if strategy else contextlib.nullcontext()):
+        model = build(AccumulatingModel, n_gradients=4)
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert iterations(model) == iterations(plain) == 4
+    assert max_weight_difference(plain, model) <= TOLERANCE

@@ -277,7 +277,7 @@ def per_device_gradients(model, trainable, non_trainable, x, forward,
     for index, values in kept.items():
         new_non_trainable[index] = values[0]
 
-    def loss_of_predictions(outputs):
+    def loss_of_predictions(outputs, trainable):
         y_pred, layer_losses = outputs
         jax.tree.map(losses.set_keras_mask, y_pred, masks)
         # Each device's copy holds the same weights, so a weight's loss is
@@ -288,10 +288,15 @@ def per_device_gradients(model, trainable, non_trainable, x, forward,
              for index, value in enumerate(layer_losses)],
             moments))
 
-    (_, aux), cotangents = jax.value_and_grad(
-        loss_of_predictions, has_aux=True)((y_pred, layer_losses))
+    # A loss may read weights itself (a penalty on a kernel, a learnable
+    # temperature): that part of its gradient is the whole batch's, and
+    # goes into the first device's block (zeros, which XLA folds away,
+    # where it reads none).
+    (_, aux), (cotangents, direct) = jax.value_and_grad(
+        loss_of_predictions, argnums=(0, 1), has_aux=True)(
+            (y_pred, layer_losses), list(trainable))
     (gradients,) = pull_back(cotangents)
-    return gradients, aux
+    return [block.at[0].add(own) for block, own in zip(gradients, direct)], aux
 
 
 # Activity regularizers whose penalty is a sum over the elements, so that
