@@ -419,10 +419,15 @@ def warn_if_layers_add_losses(model, warn):
         warn(
             f"Layers {adding} add losses with `add_loss`. A window weighs "
             "each added term like a mean over its micro-batch, as Keras's "
-            "regularizers are: exact for a term that is a mean over the "
-            "batch (or a constant), but a term summed over the batch would "
-            "count 1/n_gradients as much as in the large batch. Divide such "
-            "a term by the batch size."
+            "regularizers are: exact for a term that is a mean of "
+            "per-sample values over the batch (or a constant); a term "
+            "summed over the batch would count 1/n_gradients as much as in "
+            "the large batch (divide such a term by the batch size). A term "
+            "computed from the batch's statistics (a product of batch "
+            "means, as a mixture of experts' load-balancing loss) is taken "
+            "of each micro-batch's, and no weighting of the micro-batches "
+            "gives the large batch's: accept the difference, or compute it "
+            "from per-sample values."
         )
 
 

@@ -188,7 +188,7 @@ def test_layers_that_add_losses_are_named_with_the_fix(layer_class):
     messages = _fit_messages_with(layer_class(name="penalty"), "add_loss")
     assert len(messages) == 1
     assert "['penalty']" in messages[0]
-    assert "Divide such a term by the batch size" in messages[0]
+    assert "divide such a term by the batch size" in messages[0]
 
 
 class _RunningMean(keras.layers.Layer):
@@ -409,3 +409,57 @@ def test_activity_penalty_beside_a_loss_of_valid_elements_is_named():
              if "activity penalty" in str(w.message)]
     assert max_weight_difference(plain, model) > 1e-5
     assert len(named) == 1 and "['hidden']" in named[0]
+
+
+class _LoadBalancing(keras.layers.Layer):
+    """A mixture of experts' load-balancing term: a product of the batch's
+    mean routing probabilities and mean assignments."""
+
+    def call(self, inputs):
+        probabilities = _ops.softmax(inputs)
+        shares = _ops.mean(probabilities, axis=0)
+        assigned = _ops.mean(_ops.one_hot(_ops.argmax(inputs, axis=-1), 8),
+                             axis=0)
+        self.add_loss(8.0 * _ops.sum(shares * assigned))
+        return inputs
+
+
+@pytest.mark.skipif(not hasattr(keras, "ops"), reason="keras.ops")
+def test_a_term_of_batch_statistics_is_named_as_beyond_any_weighting():
+    x, y = regression_data(samples=32)
+
+    def build(model_class, **kwargs):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((6,))
+        hidden = _LoadBalancing(name="router")(keras.layers.Dense(8)(inputs))
+        return model_class(inputs=inputs,
+                           outputs=keras.layers.Dense(3)(hidden), **kwargs)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain, model = fit_both(build, lambda: keras.optimizers.SGD(0.5), x,
+                                y, micro_batch=4, n_gradients=4)
+    named = [str(w.message) for w in caught if "add_loss" in str(w.message)]
+    assert max_weight_difference(plain, model) > 1e-4
+    assert len(named) == 1 and "['router']" in named[0]
+    assert "no weighting of the micro-batches" in named[0]
+
+
+class _PairwiseSigmoid(keras.losses.Loss):
+    """One number for the batch from every pair of its samples."""
+
+    def call(self, y_true, y_pred):
+        logits = _ops.matmul(y_pred, _ops.transpose(y_true))
+        labels = 2.0 * _ops.eye(_ops.shape(logits)[0]) - 1.0
+        return -_ops.mean(_ops.log_sigmoid(labels * logits))
+
+
+@pytest.mark.skipif(not hasattr(keras, "ops"), reason="keras.ops")
+def test_a_loss_over_pairs_of_the_batch_is_named_as_beyond_any_weight():
+    x, y = regression_data(samples=16)
+    model = _with_layer(None)
+    model.compile(optimizer="sgd", loss=_PairwiseSigmoid())
+    messages = [m for m in _fit_messages(model, x, y)
+                if "one number for the whole" in m]
+    assert len(messages) == 1
+    assert "no weight reproduces it" in messages[0]

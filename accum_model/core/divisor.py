@@ -263,7 +263,10 @@ def _warn_about_batch_dependence(reductions, model_name):
                 "subclass) or return one value per sample. A mean over "
                 "something else, such as a masked mean sum(mask * loss) / "
                 "sum(mask): override `micro_batch_weight` to return that "
-                "divisor (sum(mask)).",
+                "divisor (sum(mask)). A loss that compares samples within "
+                "the batch (contrastive, in-batch negatives, a pairwise "
+                "sigmoid loss) is taken over the micro-batch's samples, not "
+                "the large batch's: no weight reproduces it.",
             )
         elif term.dependence == WHOLE_BATCH:
             _warn_once(
