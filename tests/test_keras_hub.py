@@ -348,3 +348,43 @@ def test_the_fine_tuning_example_is_token_exact_where_keras_option_is_not():
                                                  token_floor) = figures
     assert default_full_window <= max(10 * default_floor, 1e-7)
     assert token_full_window > 1e3 * token_floor
+
+
+def test_a_task_saved_mid_window_resumes_with_its_adamw_state(tmp_path):
+    # keras-hub compiles a task loaded from a .keras file with its default
+    # optimizer. Compiling again with AdamW, building it and reading the
+    # same file with `load_weights` brings back AdamW's moments as saved,
+    # beside the open window load_model restored.
+    x, y, weights = _causal_lm_data(samples=20)
+    file = str(tmp_path / "mid.keras")
+
+    def compiled():
+        model = _causal_lm(SavedGPT2, n_gradients=4)
+        model.compile(optimizer=keras.optimizers.AdamW(1e-2),
+                      loss=keras.losses.SparseCategoricalCrossentropy(
+                          from_logits=True), weighted_metrics=[])
+        return model
+
+    def fit(model, start=0, callbacks=()):
+        model.fit({k: v[start:] for k, v in x.items()}, y[start:],
+                  sample_weight=weights[start:], batch_size=2, epochs=1,
+                  shuffle=False, verbose=0, callbacks=list(callbacks))
+
+    class SaveAfterSix(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 5:
+                self.model.save(file)
+
+    reference = compiled()
+    fit(reference)
+    fit(compiled(), callbacks=[SaveAfterSix()])
+    resumed = keras.models.load_model(file)
+    assert resumed._accumulation.open_micro_steps() == 2
+    resumed.compile(optimizer=keras.optimizers.AdamW(1e-2),
+                    loss=keras.losses.SparseCategoricalCrossentropy(
+                        from_logits=True), weighted_metrics=[])
+    resumed.optimizer.build(resumed.trainable_variables)
+    resumed.load_weights(file)
+    fit(resumed, start=12)
+    assert iterations(resumed) == iterations(reference) == 3
+    assert max_weight_difference(resumed, reference) <= 1e-6

@@ -391,3 +391,59 @@ def test_epoch_loss_of_a_weighted_mean_is_the_large_batch_loss():
         pytest.skip("this Keras has no reduction='mean_with_sample_weight'")
     plain, ours = _fit_histories(mlp, loss, x, y, sample_weight=weights)
     np.testing.assert_allclose(ours, plain, rtol=1e-5)
+
+
+def _each_padded_to_its_longest(batches_of, xs, ys):
+    """(x, y, padding mask) of each batch of `batches_of`, padded to its
+    own longest sequence."""
+    for indices in batches_of:
+        longest = max(len(xs[i]) for i in indices)
+        x = np.zeros((len(indices), longest, 3), "float32")
+        y = np.zeros((len(indices), longest, 1), "float32")
+        mask = np.zeros((len(indices), longest), "float32")
+        for row, i in enumerate(indices):
+            x[row, :len(xs[i])] = xs[i]
+            y[row, :len(ys[i]), 0] = ys[i]
+            mask[row, :len(xs[i])] = 1.0
+        yield x, y, mask
+
+
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size",
+                                       "mean_with_sample_weight"])
+def test_micro_batches_padded_to_their_own_longest(reduction):
+    # A loss over every position (padding weighted 0 but counted) divides
+    # each micro-batch by its own padded length, the large batch by its
+    # own: fit() says so and names the token mean, which is exact.
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(2, 13, size=32)
+    xs = [rng.normal(size=(n, 3)).astype("float32") for n in lengths]
+    ys = [np.tanh(s.sum(axis=1)).astype("float32") for s in xs]
+    micro = [list(range(i, i + 4)) for i in range(0, 32, 4)]
+    loss = keras.losses.MeanSquaredError(reduction=reduction)
+
+    def sequence_model(model_class, **kwargs):
+        keras.utils.set_random_seed(5)
+        inputs = keras.Input((None, 3))
+        hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+        model = model_class(inputs=inputs,
+                            outputs=keras.layers.Dense(1)(hidden), **kwargs)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+        return model
+
+    plain = sequence_model(keras.Model)
+    for batch in _each_padded_to_its_longest(
+            [sum(micro[i:i + 4], []) for i in (0, 4)], xs, ys):
+        plain.train_on_batch(*batch)
+    model = sequence_model(AccumulatingModel, n_gradients=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(_each_padded_to_its_longest(micro, xs, ys), epochs=1,
+                  verbose=0)
+    named = [str(w.message) for w in caught
+             if "padded" in str(w.message)]
+    assert iterations(model) == 2
+    exact = max_weight_difference(plain, model) <= TOLERANCE
+    assert exact == (reduction == "mean_with_sample_weight")
+    assert len(named) == (0 if exact else 1)
+    if named:
+        assert "mean_with_sample_weight" in named[0]

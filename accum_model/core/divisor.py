@@ -64,16 +64,21 @@ class Reduction:
         counts_valid: Bool. Whether the divisor counts only some elements
             (a mask, `ignore_class`, or the sum of the sample weights), so
             that it is not in proportion to the samples.
+        elements_per_sample: Int, None where a dimension's length is not
+            known as the step is traced, or -1 where the divisor is not
+            the count of every element.
     """
 
     def __init__(self, reduction, divisor, may_vary, dependence=None,
-                 loss_name="the loss", counts_valid=False):
+                 loss_name="the loss", counts_valid=False,
+                 elements_per_sample=-1):
         self.reduction = reduction
         self.divisor = divisor
         self.may_vary = may_vary
         self.dependence = dependence
         self.loss_name = loss_name
         self.counts_valid = counts_valid
+        self.elements_per_sample = elements_per_sample
 
 
 def reduction_of(values, reduction, ops, mask=None, weight_sum=None,
@@ -109,9 +114,15 @@ def reduction_of(values, reduction, ops, mask=None, weight_sum=None,
     if mask is not None:
         return Reduction(reduction, ops.count_true(mask), may_vary=True,
                          counts_valid=True, **described)
-    unknown_length = any(d is None for d in values.shape[1:])
+    lengths = tuple(values.shape[1:])
+    unknown_length = any(d is None for d in lengths)
+    elements = None
+    if not unknown_length:
+        elements = 1
+        for length in lengths:
+            elements *= int(length)
     return Reduction(reduction, ops.count(values), may_vary=unknown_length,
-                     **described)
+                     elements_per_sample=elements, **described)
 
 
 def batch_dependence(loss, scalar, prediction_rank=None):
@@ -339,6 +350,62 @@ def fallback_divisor(x, y_pred, get_mask, ops):
 
 def _warn_once(model_name, message):
     warn_once(model_name, f"{model_name}: {message}")
+
+
+def warn_where_one_weight_cannot_serve(model, y_pred, get_mask, ops):
+    """The checks of a micro step's loss terms that need them traced: an
+    activity penalty beside a loss of valid elements, a padded length that
+    varies (see each)."""
+    warn_if_activity_penalty_is_misweighted(model, y_pred, get_mask, ops)
+    warn_if_padded_length_varies(
+        model, model._accumulation.elements_per_sample_seen)
+
+
+def warn_if_padded_length_varies(model, seen):
+    """Warns (once) where a loss divides by every element, padding
+    included, and the length its micro-batches are padded to varies.
+
+    Each micro-batch then divides by its own padded length and the window
+    weighs it so; the large batch divides by the length it is padded to
+    itself, which the window cannot know. Seen as the step is traced: a
+    length not known then (TensorFlow's data of varying shape) may vary; a
+    known one is compared with those of earlier traces and steps (JAX
+    traces anew for each shape, PyTorch runs each step).
+
+    Args:
+        model: The accumulating model, in its training step, with the
+            reductions of its loss terms in `_traced_loss_reductions`.
+        seen: Dict from a loss term's position to the set of elements
+            per sample it met so far (updated).
+    """
+    model_class = type(model)
+    base = class_tree.accumulating_base(model_class)
+    if model_class.micro_batch_weight is not base.micro_batch_weight:
+        return
+    terms = getattr(model, "_traced_loss_reductions", [])
+    for position, term in enumerate(terms):
+        if term.elements_per_sample == -1 or term.reduction == SUM:
+            continue
+        lengths = seen.setdefault(position, set())
+        lengths.add(term.elements_per_sample)
+        if None in lengths or len(lengths) > 1:
+            warn_once(
+                model_class,
+                f"The loss {term.loss_name} divides each micro-batch by all "
+                "its elements, padding included, and the length the "
+                "micro-batches are padded to "
+                + ("is not fixed (a dimension of unknown length)"
+                   if None in lengths else "varies")
+                + ": where each batch is padded to its own longest, the "
+                "window weighs each micro-batch by its own padded length, "
+                "and the large batch divides by the length it would be "
+                "padded to itself, which no window can know. Make the loss "
+                "a mean over the real elements (reduction="
+                "'mean_with_sample_weight' with the padding mask as sample "
+                "weight, or a Keras mask on the output), exact under any "
+                "padding; or pad every batch to one length.",
+            )
+            return
 
 
 def warn_if_activity_penalty_is_misweighted(model, y_pred, get_mask, ops):

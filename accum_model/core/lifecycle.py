@@ -47,6 +47,9 @@ class WindowLifecycle:
         self.epoch = 0
         self.weight_from_batch_size = False
         self.own_step_feeds_window = False
+        # The loss elements per sample each loss term met in the micro
+        # steps (see `divisor.warn_if_padded_length_varies`).
+        self.elements_per_sample_seen = {}
         # Micro steps in the current epoch, or -1 when unknown or when
         # windows carry across epochs.
         self._epoch_steps = -1

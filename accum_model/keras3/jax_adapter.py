@@ -106,7 +106,7 @@ def accumulating_train_step(model, state, data):
                 trainable, new_non_trainable, metrics_values, x=x, y=y,
                 y_pred=y_pred, sample_weight=sample_weight, training=True)
         model._traced_loss_reductions = reductions
-        divisor.warn_if_activity_penalty_is_misweighted(
+        divisor.warn_where_one_weight_cannot_serve(
             model, y_pred, losses.get_keras_mask, KERAS_SHAPES)
         # Read while `model.losses` still holds this pass's added losses.
         weight = jnp.asarray(

@@ -313,7 +313,7 @@ def accumulating_train_step(model, data):
         loss = model._compute_loss(x=x, y=y, y_pred=y_pred,
                                    sample_weight=sample_weight, training=True)
     model._traced_loss_reductions = reductions
-    divisor.warn_if_activity_penalty_is_misweighted(
+    divisor.warn_where_one_weight_cannot_serve(
         model, y_pred, losses.get_keras_mask, KERAS_SHAPES)
     weight = ops.cast(model.micro_batch_weight(x, y, y_pred, sample_weight),
                       "float32")

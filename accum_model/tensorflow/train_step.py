@@ -74,7 +74,7 @@ def train_step(model, data, details):
     weight = tf.cast(
         model.micro_batch_weight(x, y, y_pred, sample_weight), tf.float32
     )
-    divisor.warn_if_activity_penalty_is_misweighted(
+    divisor.warn_where_one_weight_cannot_serve(
         model, y_pred, details.get_keras_mask, TF_SHAPES)
     # The loss in logs is the window's, logged once when it ends.
     accumulation.add_micro_batch(gradients, weight, batch_size,
