@@ -104,7 +104,10 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
 
     Args:
         n_gradients: Int >= 1. Number of micro-batches whose gradients make
-            one update. 1 trains exactly like `keras.Model`. Or a schedule,
+            one update. 1 trains exactly like `keras.Model` (under several
+            replicas of a `tf.distribute` strategy, in windows of one,
+            which keep to the one-device large batch where Keras's own
+            step strays from it). Or a schedule,
             a dict `{epoch: n}`: each n holds from its 0-based epoch on,
             windows of 1 before the smallest key; a change takes effect at
             the next window boundary. May be changed between `fit()` calls
@@ -173,6 +176,8 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
             accumulation = adapter.Accumulation(settings)
             accumulation.own_step_feeds_window = (
                 class_tree.own_step_feeds_window(type(self)))
+            accumulation.several_replicas = (
+                adapter.replicas_in_sync(self) > 1)
             accumulation.checkpoint = adapter.WindowCheckpoint(accumulation)
             self._accumulation = accumulation
             # Every checkpoint finds the window under this attribute name.

@@ -511,3 +511,40 @@ def test_a_loss_that_reads_weights_matches_one_device(reads, replicas,
         model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     assert iterations(model) == iterations(plain) == 4
     assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+@tensorflow_only("Keras's own step under a MirroredStrategy")
+@pytest.mark.parametrize("case", ["ignore_class", "clipnorm"])
+def test_windows_of_one_under_two_replicas_match_one_device(case,
+                                                            two_replicas):
+    # n_gradients=1 trains with Keras's own step on one device; under
+    # several replicas that step strays from the one-device large batch
+    # (it averages the replicas' own means of an `ignore_class` loss, and
+    # clips each replica's share), so the model keeps windows of one.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 6)).astype("float32")
+    labels = rng.integers(0, 4, size=(64,)).astype("int32")
+    labels[:20] = 0  # ignored: the replicas' shares differ in valid labels
+    if case == "ignore_class":
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                          ignore_class=0)
+        fit_kwargs = {"class_weight": {0: 1.0, 1: 2.0, 2: 0.5, 3: 1.0}}
+        make_optimizer = lambda: keras.optimizers.SGD(0.5)  # noqa: E731
+    else:
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        fit_kwargs = {}
+        make_optimizer = lambda: keras.optimizers.SGD(  # noqa: E731
+            0.5, clipnorm=0.05)
+
+    def build(model_class, **kwargs):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((6,))
+        hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+        hidden = keras.layers.LayerNormalization()(hidden)
+        return model_class(inputs, keras.layers.Dense(4)(hidden), **kwargs)
+
+    plain, model = fit_both(build, make_optimizer, x, labels, micro_batch=8,
+                            n_gradients=1, loss=loss, fit_kwargs=fit_kwargs,
+                            strategy=two_replicas)
+    assert iterations(model) == iterations(plain) == 16
+    assert max_weight_difference(plain, model) <= TOLERANCE

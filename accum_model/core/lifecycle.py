@@ -37,6 +37,11 @@ class WindowLifecycle:
         own_step_feeds_window: Bool. Whether the model's own `train_step`
             hands its gradients to the window, which it then keeps even in
             windows of 1 (Keras's step would never reach it).
+        several_replicas: Bool. Whether the model trains on several
+            replicas of a `tf.distribute` strategy, where it keeps windows
+            of 1 too: Keras's own step strays there from the one-device
+            large batch (it clips each replica's share, and averages the
+            replicas' means of a masked or `ignore_class` loss).
     """
 
     def __init__(self, settings):
@@ -47,6 +52,7 @@ class WindowLifecycle:
         self.epoch = 0
         self.weight_from_batch_size = False
         self.own_step_feeds_window = False
+        self.several_replicas = False
         # The loss elements per sample each loss term met in the micro
         # steps (see `divisor.warn_if_padded_length_varies`).
         self.elements_per_sample_seen = {}
@@ -65,7 +71,10 @@ class WindowLifecycle:
 
     @property
     def accumulates(self):
-        return self.settings.accumulates or self.own_step_feeds_window
+        return self.settings.accumulates or self._keeps_windows_of_one()
+
+    def _keeps_windows_of_one(self):
+        return self.own_step_feeds_window or self.several_replicas
 
     def window_length(self):
         """Int. Micro-batches per window in the current epoch."""
@@ -107,7 +116,7 @@ class WindowLifecycle:
         # the traced step, so that it can change between two epochs of one
         # fit().
         retrace = ((settings.accumulates != self.settings.accumulates
-                    and not self.own_step_feeds_window)
+                    and not self._keeps_windows_of_one())
                    or _without_length(settings)
                    != _without_length(self.settings))
         self.settings = settings
