@@ -17,6 +17,7 @@ of the gradient, and before keras 3.8 it sums the replicas' mean losses.
 import contextlib
 import dataclasses
 import functools
+import random
 import threading
 import warnings
 
@@ -133,7 +134,10 @@ def compare_with_large_batch(model, x, y=None, *, batch_size, n_gradients,
             `steps * n_gradients * batch_size` samples (all of them where
             there are fewer; the last window may then be short).
         sample_weight: Optional sample weights, like `y`.
-        seed: Int. Random seed set before each copy trains.
+        seed: Int. Random seed set before each copy trains
+            (`keras.utils.set_random_seed`). Python's and NumPy's global
+            random state are put back as they were when the check returns;
+            the backend's global seed stays set to `seed`.
 
     Returns:
         A `LargeBatchComparison`; `print()` it for a report.
@@ -142,7 +146,28 @@ def compare_with_large_batch(model, x, y=None, *, batch_size, n_gradients,
         ValueError: `model` is not compiled, cannot be copied, or an
             argument is out of range.
     """
-    _check_arguments(model, x, batch_size, steps)
+    _check_arguments(model, x, batch_size, steps, n_gradients)
+    with _global_random_state_kept():
+        return _compare(model, x, y, batch_size, n_gradients, steps,
+                        sample_weight, seed)
+
+
+@contextlib.contextmanager
+def _global_random_state_kept():
+    """Puts Python's and NumPy's global random state back as they were
+    (`keras.utils.set_random_seed` seeds both)."""
+    python_state = random.getstate()
+    numpy_state = np.random.get_state()
+    try:
+        yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+
+
+def _compare(model, x, y, batch_size, n_gradients, steps, sample_weight,
+             seed):
+    """`compare_with_large_batch` once its arguments are checked."""
     settings = (model._accumulation.settings.as_dict()
                 if isinstance(model, AccumulatingModel) else {})
     settings["n_gradients"] = n_gradients
@@ -199,9 +224,12 @@ def compare_with_large_batch(model, x, y=None, *, batch_size, n_gradients,
             floor = max(floor, _max_difference(trained["reordered"],
                                                trained["large"]))
         plain_messages = {str(w.message) for w in caught["large"]}
+        # What the accumulating copy was told about the model (a
+        # library's deprecation notice says nothing of it).
         new_warnings = list(dict.fromkeys(
             str(w.message) for w in caught["accumulating"]
-            if str(w.message) not in plain_messages))
+            if issubclass(w.category, UserWarning)
+            and str(w.message) not in plain_messages))
         return difference, floor, new_warnings
 
     # Reordered samples meet other random numbers: where the model has
@@ -226,7 +254,7 @@ def compare_with_large_batch(model, x, y=None, *, batch_size, n_gradients,
         rounding_dtype=rounding_dtype)
 
 
-def _check_arguments(model, x, batch_size, steps):
+def _check_arguments(model, x, batch_size, steps, n_gradients):
     check_is_keras_model(model, "compare_with_large_batch")
     if getattr(model, "optimizer", None) is None or adapter.compile_arguments(
             model) is None:
@@ -241,7 +269,14 @@ def _check_arguments(model, x, batch_size, steps):
             "weights, and this model has none yet: build it first "
             "(`model.build(input_shape)`, call it on a batch, or begin it "
             "with `keras.Input`). Received: an unbuilt model")
-    for name, value in (("batch_size", batch_size), ("steps", steps)):
+    if isinstance(n_gradients, dict):
+        raise ValueError(
+            "`compare_with_large_batch` compares windows of one length: "
+            "`n_gradients` must be an int >= 1 (to check a schedule, check "
+            "each of its lengths). Received: "
+            f"n_gradients={n_gradients!r}")
+    for name, value in (("batch_size", batch_size), ("steps", steps),
+                        ("n_gradients", n_gradients)):
         if isinstance(value, bool) or not isinstance(
                 value, (int, np.integer)) or value < 1:
             raise ValueError(

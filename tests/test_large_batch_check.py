@@ -8,6 +8,8 @@ switching it off in the copies. Runs on every Keras 3 backend and on
 Keras 2.
 """
 
+import random
+
 import numpy as np
 import pytest
 
@@ -181,12 +183,26 @@ def test_the_model_and_its_optimizer_are_left_as_they_were():
     (dict(batch_size=0), "batch_size"),
     (dict(steps=1.5), "steps"),
     (dict(n_gradients=0), "n_gradients"),
+    (dict(n_gradients={0: 2}), "n_gradients"),
+    (dict(n_gradients=True), "n_gradients"),
 ])
 def test_bad_arguments_are_refused_by_name(arguments, named):
     x, y = regression_data(samples=32)
     arguments = {"batch_size": 8, "n_gradients": 2, "steps": 1, **arguments}
     with pytest.raises(ValueError, match=named):
         compare_with_large_batch(_model(), x, y, **arguments)
+
+
+def test_the_global_random_state_is_left_as_it_was():
+    x, y = regression_data(samples=32)
+    random.seed(11)
+    np.random.seed(11)
+    expected = (random.random(), np.random.random())
+    random.seed(11)
+    np.random.seed(11)
+    compare_with_large_batch(_model(), x, y, batch_size=8, n_gradients=2,
+                             steps=1, seed=0)
+    assert (random.random(), np.random.random()) == expected
 
 
 def test_an_uncompiled_model_is_refused():

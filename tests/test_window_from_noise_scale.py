@@ -9,6 +9,7 @@ before training.
 
 import contextlib
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from accum_model import AccumulatingModel
 from accum_model import WindowFromNoiseScale
 from accum_model import accumulating
+from accum_model._chooser import adapter
 from backends import ON_KERAS_2
 from backends import ON_TORCH
 from backends import keras_2_too
@@ -303,6 +305,13 @@ def test_a_rule_scales_a_schedule_as_the_large_batch(replicas, request):
             verbose=0, callbacks=[WindowFromNoiseScale(
                 min_n_gradients=4, max_n_gradients=4,
                 learning_rate="linear")]).history
+    # Reading the rate and the scale converts no tensor through NumPy's
+    # `__array__`, which NumPy 2 deprecates for torch's tensors.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        adapter.learning_rate_of(model.optimizer)
+        model.optimizer.get_config()
+    assert not [w for w in caught if "__array__" in str(w.message)]
     reference = _linear_model(keras.Model)
     reference.compile(optimizer=keras.optimizers.SGD(
         ScaledFrom(_decaying(), 2.0, first_epoch_updates), momentum=0.9),

@@ -17,7 +17,6 @@ Private `_learning_rate` checked on keras 3.6.0, 3.10.0 and 3.15.1.
 import contextlib
 
 import keras
-import numpy as np
 from keras import ops
 
 from accum_model.core.learning_rate import FloatLearningRate
@@ -53,7 +52,7 @@ class WindowScaledSchedule(_Schedule):
         return rate * ops.cast(scale, rate.dtype)
 
     def scale_value(self):
-        return float(np.asarray(ops.convert_to_numpy(self.scale)))
+        return _as_float(self.scale.value)
 
     def get_config(self):
         return {"schedule": keras.optimizers.schedules.serialize(
@@ -111,12 +110,22 @@ def learning_rate_of(optimizer):
         return None
     rate = _rate_of(optimizer)
     if hasattr(rate, "assign"):
-        value = rate
+        value = rate.value
     elif isinstance(rate, _Schedule):
         value = rate(_inner(optimizer).iterations)
     else:
         return None
-    return float(np.asarray(ops.convert_to_numpy(value)))
+    return _as_float(value)
+
+
+def _as_float(value):
+    """A scalar tensor as a Python float. A torch or JAX array gives its
+    `item()`: Keras's `convert_to_numpy` on PyTorch goes through the
+    tensor's `__array__`, which NumPy 2 warns of (keras 3.15.1, torch
+    2.15, numpy 2.4)."""
+    value = ops.convert_to_tensor(value)
+    item = getattr(value, "item", None)
+    return float(item() if item is not None else ops.convert_to_numpy(value))
 
 
 def scalable_learning_rate(model):
