@@ -419,7 +419,10 @@ def test_micro_batches_padded_to_their_own_longest(reduction):
     xs = [rng.normal(size=(n, 3)).astype("float32") for n in lengths]
     ys = [np.tanh(s.sum(axis=1)).astype("float32") for s in xs]
     micro = [list(range(i, i + 4)) for i in range(0, 32, 4)]
-    loss = keras.losses.MeanSquaredError(reduction=reduction)
+    try:
+        loss = keras.losses.MeanSquaredError(reduction=reduction)
+    except ValueError:
+        pytest.skip(f"this Keras has no reduction={reduction!r}")
 
     def sequence_model(model_class, **kwargs):
         keras.utils.set_random_seed(5)

@@ -402,8 +402,9 @@ def warn_if_padded_length_varies(model, seen):
                 "padded to itself, which no window can know. Make the loss "
                 "a mean over the real elements (reduction="
                 "'mean_with_sample_weight' with the padding mask as sample "
-                "weight, or a Keras mask on the output), exact under any "
-                "padding; or pad every batch to one length.",
+                "weight, where this Keras has it, or a Keras mask on the "
+                "output), exact under any padding; or pad every batch to "
+                "one length.",
             )
             return
 
