@@ -17,6 +17,7 @@ from accum_model._chooser import adapter
 from accum_model.core import class_tree
 from accum_model.core.messages import names_in_brief
 from accum_model.core.messages import warn_once
+from accum_model.core.settings import window_lengths
 from accum_model.core.variables import flatten
 from accum_model.core.variables import is_overwritten_with_gradient
 
@@ -501,9 +502,7 @@ def warn_if_backups_fall_inside_windows(model, callbacks, warn):
     """
     callbacks = getattr(callbacks, "callbacks", callbacks) or []
     settings = model._accumulation.settings
-    lengths = (set(settings.n_gradients.values())
-               if isinstance(settings.n_gradients, dict)
-               else {settings.n_gradients})
+    lengths = window_lengths(settings.n_gradients)
     for callback in callbacks:
         save_freq = getattr(callback, "save_freq", None)
         if (isinstance(callback, adapter.keras.callbacks.BackupAndRestore)

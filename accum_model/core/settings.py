@@ -99,9 +99,7 @@ def check_measure_noise_scale(measure_noise_scale, n_gradients):
             "`measure_noise_scale` must be True or False. "
             f"Received: measure_noise_scale={measure_noise_scale!r}"
         )
-    lengths = (n_gradients.values() if isinstance(n_gradients, dict)
-               else [n_gradients])
-    if measure_noise_scale and max(lengths) < 2:
+    if measure_noise_scale and max(window_lengths(n_gradients)) < 2:
         raise ValueError(
             "`measure_noise_scale=True` compares each micro-batch's gradient "
             "with its window's, which takes windows of 2 or more "
@@ -195,3 +193,10 @@ class Settings:
         and counted, with or without loss scaling, never applied.
         """
         return self.accumulator_dtype in ("float16", "bfloat16")
+
+
+def window_lengths(n_gradients):
+    """The set of window lengths an `n_gradients` (an int, or a schedule
+    `{epoch: n}`) gives."""
+    return (set(n_gradients.values()) if isinstance(n_gradients, dict)
+            else {n_gradients})
