@@ -311,7 +311,7 @@ def test_a_rule_scales_a_schedule_as_the_large_batch(replicas, request):
         warnings.simplefilter("always")
         adapter.learning_rate_of(model.optimizer)
         model.optimizer.get_config()
-    assert not [w for w in caught if "__array__" in str(w.message)]
+    assert not [(w.filename, w.lineno, str(w.message)) for w in caught if "__array__" in str(w.message)]
     reference = _linear_model(keras.Model)
     reference.compile(optimizer=keras.optimizers.SGD(
         ScaledFrom(_decaying(), 2.0, first_epoch_updates), momentum=0.9),

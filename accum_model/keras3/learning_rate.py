@@ -52,7 +52,7 @@ class WindowScaledSchedule(_Schedule):
         return rate * ops.cast(scale, rate.dtype)
 
     def scale_value(self):
-        return _as_float(self.scale.value)
+        return _as_float(self.scale)
 
     def get_config(self):
         return {"schedule": keras.optimizers.schedules.serialize(
@@ -110,7 +110,7 @@ def learning_rate_of(optimizer):
         return None
     rate = _rate_of(optimizer)
     if hasattr(rate, "assign"):
-        value = rate.value
+        value = rate
     elif isinstance(rate, _Schedule):
         value = rate(_inner(optimizer).iterations)
     else:
@@ -119,13 +119,19 @@ def learning_rate_of(optimizer):
 
 
 def _as_float(value):
-    """A scalar tensor as a Python float. A torch or JAX array gives its
-    `item()`: Keras's `convert_to_numpy` on PyTorch goes through the
-    tensor's `__array__`, which NumPy 2 warns of (keras 3.15.1, torch
-    2.15, numpy 2.4)."""
+    """A scalar variable or tensor as a Python float, read through the
+    backend's own `item()` (torch, JAX) or `numpy()` (TensorFlow). Keras's
+    `convert_to_numpy` goes through the object's `__array__`, which NumPy 2
+    warns of for torch's tensors and TensorFlow's variables, and which a
+    `MirroredVariable` does not give at all (keras 3.15.1, torch 2.15,
+    TensorFlow 2.21, numpy 2.4)."""
+    if isinstance(value, keras.Variable):
+        value = value.value
     value = ops.convert_to_tensor(value)
-    item = getattr(value, "item", None)
-    return float(item() if item is not None else ops.convert_to_numpy(value))
+    for reader in ("item", "numpy"):
+        if hasattr(value, reader):
+            return float(getattr(value, reader)())
+    return float(ops.convert_to_numpy(value))
 
 
 def scalable_learning_rate(model):
