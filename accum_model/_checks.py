@@ -16,7 +16,6 @@ import numpy as np
 from accum_model._chooser import adapter
 from accum_model.core import class_tree
 from accum_model.core.messages import names_in_brief
-from accum_model.core.messages import warn_once
 from accum_model.core.settings import window_lengths
 from accum_model.core.variables import flatten
 from accum_model.core.variables import is_overwritten_with_gradient
@@ -257,7 +256,7 @@ def warn_if_train_step_bypasses_window(model_class):
     )
 
 
-def warn_if_loss_divisor_is_unknown(model_class):
+def warn_if_loss_divisor_is_unknown(model_class, warn):
     """Returns whether micro-batches must be weighted by their sample count.
 
     True, with a one-time warning, when `compute_loss` is overridden and
@@ -272,8 +271,7 @@ def warn_if_loss_divisor_is_unknown(model_class):
     )
     if not overrides_loss or overrides_weight:
         return False
-    warn_once(
-        model_class,
+    warn(
         f"{model_class.__name__} overrides `compute_loss`, so accum_model "
         "cannot tell what it divides a micro-batch's loss by, and weights "
         "each micro-batch by its number of samples. That is exact for a "
@@ -672,5 +670,5 @@ def check_ready_to_accumulate(model, requested_class):
     warn_if_layers_carry_state(model, warn)
     warn_if_accumulators_round_float64_weights(model, warn)
     warn_if_train_step_bypasses_window(type(model))
-    return warn_if_loss_divisor_is_unknown(requested_class)
+    return warn_if_loss_divisor_is_unknown(requested_class, warn)
 

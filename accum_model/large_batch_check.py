@@ -17,6 +17,7 @@ of the gradient, and before keras 3.8 it sums the replicas' mean losses.
 import contextlib
 import dataclasses
 import functools
+import inspect
 import random
 import threading
 import warnings
@@ -28,21 +29,41 @@ from accum_model._chooser import keras
 from accum_model._existing_models import accumulating
 from accum_model._existing_models import check_is_keras_model
 from accum_model.accumulating_model import AccumulatingModel
+from accum_model.core import class_tree
 from accum_model.core.settings import Settings
 
-# How far above the rounding floor the accumulating copy may land and still
-# count as the large batch: summation orders differ between the two.
+# How far above the float32 rounding floor the accumulating copy may land
+# and still count as the large batch: summation orders differ between the
+# two.
 FLOOR_FACTOR = 10.0
+# The same above a 16-bit floor, which is a bound already: exact models
+# were measured up to 1.3 times their weight's floor (a perceptron under
+# mixed_float16 with Adam, keras 3.15.1 on TensorFlow 2.21). A difference
+# within it cannot be told from 16-bit rounding.
+FLOOR_FACTOR_16 = 2.0
 # The relative spacing of 16-bit floats a layer may compute in: each
 # micro-batch's gradient is rounded to it where the large batch rounds the
 # whole batch's once.
 _EPSILON_16 = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
-# Layers that draw random numbers in training, and what switches each off.
-_RANDOM_LAYER_SWITCHES = {"Dropout": "rate", "SpatialDropout1D": "rate",
-                          "SpatialDropout2D": "rate",
-                          "SpatialDropout3D": "rate", "AlphaDropout": "rate",
-                          "GaussianDropout": "rate",
-                          "GaussianNoise": "stddev"}
+# How far (relative to the largest output) a training pass on a reordered
+# batch may land from the reordered outputs of the batch: rounding of
+# statistics over the batch, not a draw.
+_ORDER_TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+# Layers that draw random numbers in training whatever they hold.
+_RANDOM_LAYER_CLASSES = ("Dropout", "SpatialDropout1D", "SpatialDropout2D",
+                         "SpatialDropout3D", "AlphaDropout",
+                         "GaussianDropout", "GaussianNoise")
+# The attributes through which Keras's random layers and cells take their
+# rates (Dropout's `rate`, an RNN cell's `dropout` and `recurrent_dropout`,
+# MultiHeadAttention's `_dropout`, GaussianNoise's `stddev`): 0 draws
+# nothing.
+_RATE_ATTRIBUTES = ("rate", "dropout", "recurrent_dropout", "_dropout",
+                    "stddev")
+# Optimizers whose update is not linear in the gradient: given a sparse
+# gradient with a repeated row, Keras's own apply each occurrence in turn.
+_SPARSE_ROW_OPTIMIZERS = ("Adam", "AdamW", "Adamax", "Nadam", "RMSprop",
+                          "Adagrad", "Adadelta", "Adafactor", "Ftrl", "Lion",
+                          "Lamb")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,16 +73,18 @@ class LargeBatchComparison:
     Attributes:
         max_weight_difference: Float. The largest absolute difference of a
             weight between the accumulating copy and the large batch's.
-        rounding_floor: Float. How far the large batch lands from itself
-            with each batch's samples in another order (at least float32's
-            epsilon times the largest weight; that alone where random layers
-            could not be switched off). Where layers compute in float16 or
-            bfloat16, at least that type's epsilon times the largest change
-            of a weight in the large batch's training.
-        matches: Bool. Whether the accumulating copy lands within
-            `FLOOR_FACTOR` times `rounding_floor` of the large batch's
+        rounding_floor: Float. How far the large batch lands from itself,
+            at the weight that decides the verdict: run twice, and with
+            each batch's samples in another order (at least float32's
+            epsilon times the largest weight). Where that weight's gradient
+            passes through a layer computing in float16 or bfloat16, at
+            least that type's epsilon times the weight's largest change in
+            the large batch's training.
+        matches: Bool, or None. Whether every weight of the accumulating
+            copy lands within its allowed difference of the large batch's
             (with their random layers switched off, where the model has
-            any).
+            any); None where randomness the check cannot switch off or
+            seed makes any verdict chance (see `causes`).
         causes: Tuple of str. What in the model or its set-up makes the two
             differ, each naming what to change: random layers, narrow
             accumulators, and every warning the accumulating copy raised
@@ -69,39 +92,52 @@ class LargeBatchComparison:
             a loss whose divisor cannot be read, ...).
         difference_without_random_layers: Float, or None. The same
             comparison with the copies' random layers switched off (their
-            rate or stddev set to 0), where the model has any; the rounding
-            floor is then measured with them off too.
+            rates set to 0), where the model has any; the rounding floor
+            is then measured with them off too.
         windows: Int. Optimizer updates each copy made.
         rounding_dtype: Str. The coarsest float type the model's layers
-            compute in, whose rounding the floor is.
+            compute in.
+        allowed_difference: Float. How far the weight that decides the
+            verdict may land from the large batch's: `FLOOR_FACTOR` times
+            the float32 floor, or its 16-bit floor where that is larger.
+        deciding_weight: Str. The weight whose difference is the largest
+            share of its allowed difference.
     """
 
     max_weight_difference: float
     rounding_floor: float
-    matches: bool
+    matches: object
     causes: tuple
     difference_without_random_layers: object
     windows: int
     rounding_dtype: str = "float32"
+    allowed_difference: float = 0.0
+    deciding_weight: str = ""
 
     def __str__(self):
-        verdict = "matches" if self.matches else "differs from"
-        floor = (f"{self.rounding_dtype} rounding floor "
-                 f"{self.rounding_floor:.2e}")
         without_random = self.difference_without_random_layers
-        if without_random is None:
+        switched = ("" if without_random is None
+                    else " with the copies' random layers switched off")
+        compared = (self.max_weight_difference if without_random is None
+                    else without_random)
+        if self.matches is None:
             lines = [
-                f"accumulation {verdict} the large batch over "
-                f"{self.windows} windows: max |weight difference| "
-                f"{self.max_weight_difference:.2e}, {floor}"]
+                "cannot tell whether accumulation matches the large batch "
+                f"over {self.windows} windows{switched}: randomness no seed "
+                "controls moves the large batch itself (max |weight "
+                f"difference| {compared:.2e}, a chance one)"]
         else:
+            verdict = "matches" if self.matches else "differs from"
             lines = [
                 f"accumulation {verdict} the large batch over "
-                f"{self.windows} windows with the copies' random layers "
-                f"switched off: max |weight difference| "
-                f"{without_random:.2e}, {floor}",
-                "with them on: max |weight difference| "
-                f"{self.max_weight_difference:.2e}"]
+                f"{self.windows} windows{switched}: max |weight difference| "
+                f"{compared:.2e}; at '{self.deciding_weight}', the closest "
+                f"to its bound, {self.allowed_difference:.2e} allowed "
+                f"({self.rounding_dtype} rounding floor "
+                f"{self.rounding_floor:.2e})"]
+        if without_random is not None:
+            lines.append("with them on: max |weight difference| "
+                         f"{self.max_weight_difference:.2e}")
         lines += [f"- {cause}" for cause in self.causes]
         return "\n".join(lines)
 
@@ -175,20 +211,15 @@ def _compare(model, x, y, batch_size, n_gradients, steps, sample_weight,
     samples = min(_num_samples(x), steps * n_gradients * batch_size)
     large_batch = n_gradients * batch_size
     windows = -(-samples // large_batch)
-    random_layers = _random_layers(model)
-    # Layers with no rate or stddev to set to 0 stay random in every run.
-    still_random = [layer for layer in random_layers
-                    if _random_switch(layer) is None]
+    switchable, unswitchable = _random_layers(model)
     rounding_dtype = _coarsest_compute_dtype(model)
-    # Where 16-bit rounding sets the floor, the weights' change sets its
-    # scale; a float32 model needs no copy of its starting weights.
-    start = (model.get_weights() if rounding_dtype in _EPSILON_16
-             else None)
+    start = model.get_weights()
+    in_order = np.arange(samples)
 
-    def train(copy_settings, window_batch, order, switch_off_random_layers):
+    def train(copy_settings, window_batch, order, switch_off):
         """The copy's weights after training, and its warnings."""
         copy = _compiled_copy(model, copy_settings)
-        if switch_off_random_layers:
+        if switch_off:
             _switch_off_random_layers(copy)
         x_, y_, w_ = (_take(part, order) for part in (x, y, sample_weight))
         keras.utils.set_random_seed(seed)
@@ -198,60 +229,163 @@ def _compare(model, x, y, batch_size, n_gradients, steps, sample_weight,
                      epochs=1, shuffle=False, verbose=0)
         return copy.get_weights(), caught
 
-    def run(switch_off_random_layers, measure_floor):
-        caught = {}
-        trained = {}
-        trained["accumulating"], caught["accumulating"] = train(
-            settings, batch_size, np.arange(samples),
-            switch_off_random_layers)
-        runs = [("large", np.arange(samples))]
-        if measure_floor:
-            runs.append(("reordered",
-                         _reversed_within(samples, large_batch)))
-        for name, order in runs:
-            trained[name], caught[name] = _on_one_device(
-                model, functools.partial(train, None, large_batch, order,
-                                         switch_off_random_layers))
-        difference = _max_difference(trained["accumulating"],
-                                     trained["large"])
-        largest = max((float(np.max(np.abs(w))) for w in trained["large"]
-                       if w.size), default=0.0)
-        floor = float(np.finfo(np.float32).eps) * largest
-        if rounding_dtype in _EPSILON_16:
-            floor = max(floor, _EPSILON_16[rounding_dtype] * _max_difference(
-                trained["large"], start))
-        if measure_floor:
-            floor = max(floor, _max_difference(trained["reordered"],
-                                               trained["large"]))
-        plain_messages = {str(w.message) for w in caught["large"]}
-        # What the accumulating copy was told about the model (a
-        # library's deprecation notice says nothing of it).
-        new_warnings = list(dict.fromkeys(
-            str(w.message) for w in caught["accumulating"]
-            if issubclass(w.category, UserWarning)
-            and str(w.message) not in plain_messages))
-        return difference, floor, new_warnings
+    def large(order, switch_off):
+        return _on_one_device(model, functools.partial(
+            train, None, large_batch, order, switch_off))
 
-    # Reordered samples meet other random numbers: where the model has
-    # random layers, the floor and the verdict come from the copies with
-    # them off, and where some cannot be switched off, from float32's
-    # epsilon alone.
-    difference, floor, new_warnings = run(
-        switch_off_random_layers=False, measure_floor=not random_layers)
-    without_random = None
-    if random_layers:
-        without_random, floor, _ = run(switch_off_random_layers=True,
-                                       measure_floor=not still_random)
-    checked = difference if without_random is None else without_random
-    matches = checked <= FLOOR_FACTOR * floor
-    causes = _causes(random_layers, still_random, matches, settings)
+    difference = None
+    if switchable:
+        # As the model is, for the report: its random layers draw other
+        # numbers for micro-batches than for large batches.
+        difference = _max_difference(
+            train(settings, batch_size, in_order, False)[0],
+            large(in_order, False)[0])
+    accumulated, caught_accumulating = train(settings, batch_size, in_order,
+                                             True)
+    reference, caught_large = large(in_order, True)
+    repeated, _ = large(in_order, True)
+    reordered, _ = large(_reversed_within(samples, large_batch), True)
+    order_dependence = _on_one_device(model, functools.partial(
+        _order_dependence, model, _take(x, in_order[:large_batch]), seed))
+
+    eps32 = float(np.finfo(np.float32).eps)
+    largest = max((float(np.max(np.abs(w))) for w in reference if w.size),
+                  default=0.0)
+    repeat_gap = _max_difference(repeated, reference)
+    # A reference that moves when run again the same way, or a training
+    # pass whose outputs move with the order of the batch's samples, is
+    # drawing numbers: its floor is chance, not rounding.
+    uncontrolled = (
+        repeat_gap > FLOOR_FACTOR * eps32 * max(largest, 1.0)
+        or order_dependence > _ORDER_TOLERANCE[rounding_dtype])
+    floors, allowed = _bounds(model, rounding_dtype, reference, repeated,
+                              reordered, start)
+    shares = [_max_difference([a], [b]) / bound if bound else np.inf
+              for a, b, bound in zip(accumulated, reference, allowed)]
+    deciding = int(np.argmax(shares)) if shares else 0
+    checked = _max_difference(accumulated, reference)
+    matches = None if uncontrolled else all(share <= 1.0 for share in shares)
+    plain_messages = {str(w.message) for w in caught_large}
+    # What the accumulating copy was told about the model (a library's
+    # deprecation notice says nothing of it).
+    new_warnings = list(dict.fromkeys(
+        str(w.message) for w in caught_accumulating
+        if issubclass(w.category, UserWarning)
+        and str(w.message) not in plain_messages))
+    causes = _causes(model, switchable, unswitchable, uncontrolled, matches,
+                     settings)
     causes += [f"the accumulating copy warned: {message}"
                for message in new_warnings]
+    names = _weight_names(model)
     return LargeBatchComparison(
-        max_weight_difference=difference, rounding_floor=floor,
+        max_weight_difference=checked if difference is None else difference,
+        rounding_floor=floors[deciding] if floors else 0.0,
         matches=matches, causes=tuple(causes),
-        difference_without_random_layers=without_random, windows=windows,
-        rounding_dtype=rounding_dtype)
+        difference_without_random_layers=(None if difference is None
+                                          else checked),
+        windows=windows, rounding_dtype=rounding_dtype,
+        allowed_difference=allowed[deciding] if allowed else 0.0,
+        deciding_weight=names[deciding] if names else "")
+
+
+def _bounds(model, rounding_dtype, reference, repeated, reordered, start):
+    """Each weight's rounding floor and allowed difference.
+
+    A weight whose gradient stays in float32 has the float32 floor: how far
+    such weights of the large batch move when it is run again and with its
+    samples reordered, at least float32's epsilon times the largest weight;
+    allowed `FLOOR_FACTOR` times over. A weight whose gradient passes
+    through a layer computing in 16 bits has its own floor: its own moves,
+    at least its type's epsilon times its change in the large batch's
+    training (each micro-batch's gradient is rounded to 16 bits where the
+    large batch's is rounded once), allowed `FLOOR_FACTOR_16` times over.
+    """
+    rounded = (_rounded_to_16_bits(model) if rounding_dtype in _EPSILON_16
+               else [False] * len(reference))
+    moves = [max(_max_difference([a], [b]), _max_difference([c], [b]))
+             for a, b, c in zip(repeated, reference, reordered)]
+    largest = max((float(np.max(np.abs(w))) for w in reference if w.size),
+                  default=0.0)
+    floor32 = max([float(np.finfo(np.float32).eps) * largest] + [
+        move for move, in_16_bits in zip(moves, rounded) if not in_16_bits])
+    floors, allowed = [], []
+    for after, before, move, in_16_bits in zip(reference, start, moves,
+                                               rounded):
+        if in_16_bits:
+            floor = max(floor32, move, _EPSILON_16[rounding_dtype]
+                        * _max_difference([after], [before]))
+            floors.append(floor)
+            allowed.append(max(FLOOR_FACTOR * floor32,
+                               FLOOR_FACTOR_16 * floor))
+        else:
+            floors.append(floor32)
+            allowed.append(FLOOR_FACTOR * floor32)
+    return floors, allowed
+
+
+def _rounded_to_16_bits(model):
+    """For each of `model`'s weights (in `get_weights()` order), whether
+    its gradient may pass through a layer computing in float16 or bfloat16:
+    that layer's own weights, and in a functional or sequential model those
+    of the layers before it (every weight of a model of another kind)."""
+    def computes_in_16_bits(layer):
+        return any(str(inner.compute_dtype) in _EPSILON_16
+                   for inner in adapter.layers_of(layer))
+
+    weights = model.weights
+    ordered = isinstance(model, (adapter.Functional, keras.Sequential))
+    if not ordered:
+        return [computes_in_16_bits(model)] * len(weights)
+    rounded = {}
+    later = False
+    for layer in reversed(model.layers):
+        later = later or computes_in_16_bits(layer)
+        for weight in layer.weights:
+            rounded.setdefault(id(weight), later)
+    return [rounded.get(id(weight), True) for weight in weights]
+
+
+def _weight_names(model):
+    return [getattr(weight, "path", None) or weight.name
+            for weight in model.weights]
+
+
+def _order_dependence(model, batch, seed):
+    """How far a training pass of a copy of `model` (random layers
+    switched off) over `batch` in reverse lands from the reversed outputs
+    over `batch`, relative to the largest output: 0 for a pass that treats
+    each sample alike, up to rounding where it takes statistics over the
+    batch; far more where it draws numbers (a seed that repeats draws them
+    by position)."""
+    copy = _copy(model)
+    _switch_off_random_layers(copy)
+    reverse = np.arange(_num_samples(batch))[::-1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        keras.utils.set_random_seed(seed)
+        forward = _as_arrays(copy(batch, training=True))
+        keras.utils.set_random_seed(seed)
+        backward = _as_arrays(copy(_take(batch, reverse), training=True))
+    scale = max((float(np.max(np.abs(a))) for a in forward + backward
+                 if a.size), default=0.0)
+    gap = max((float(np.max(np.abs(a[reverse] - b)))
+               for a, b in zip(forward, backward) if a.size), default=0.0)
+    return gap / scale if scale else 0.0
+
+
+def _as_arrays(outputs):
+    """The float64 NumPy arrays of a model's outputs, flattened."""
+    if outputs is None:
+        return []
+    if isinstance(outputs, dict):
+        return [a for key in sorted(outputs) for a in _as_arrays(
+            outputs[key])]
+    if isinstance(outputs, (list, tuple)):
+        return [a for part in outputs for a in _as_arrays(part)]
+    ops = getattr(keras, "ops", None)
+    array = (ops.convert_to_numpy(outputs) if ops is not None
+             else outputs.numpy())
+    return [np.asarray(array, dtype=np.float64)]
 
 
 def _check_arguments(model, x, batch_size, steps, n_gradients):
@@ -338,20 +472,56 @@ def _compiled_copy(model, settings):
 
 
 def _copy(model):
-    try:
-        copy = keras.models.clone_model(model)
-    except (ValueError, TypeError, NotImplementedError):
-        try:
-            copy = type(model).from_config(model.get_config())
-        except Exception as error:
-            raise ValueError(
-                "`compare_with_large_batch` copies the model with "
-                "`keras.models.clone_model`, or with `get_config` and "
-                f"`from_config`, and neither works for `{type(model).__name__}`"
-                f": {error}. Give the model a `get_config` that its "
-                "`from_config` rebuilds it from.") from error
-    copy.set_weights(model.get_weights())
-    return copy
+    """A copy of `model` with its weights: `keras.models.clone_model`'s,
+    else its class rebuilt from `get_config`, uncompiled. The model's own
+    layer classes are in scope, registered or not, and Keras's safe mode is
+    lifted: the model is the caller's own, in this process (a `Lambda`'s
+    Python function, a `TorchModuleWrapper`'s module)."""
+    classes = {type(layer).__name__: type(layer)
+               for layer in adapter.layers_of(model)}
+    errors = []
+    with adapter.unsafe_deserialization(), \
+            keras.utils.custom_object_scope(classes), \
+            adapter.compiled_state_hidden(model):
+        for make in (keras.models.clone_model,
+                     lambda model: type(model).from_config(
+                         model.get_config())):
+            try:
+                copy = make(model)
+                # A keras-hub task clones with its tied embedding twice.
+                copy.set_weights(model.get_weights())
+                return copy
+            except Exception as raised:  # The next way, or the error below.
+                errors.append(raised)
+    raise ValueError(_cannot_copy(model, errors)) from errors[-1]
+
+
+def _cannot_copy(model, errors):
+    """Why `compare_with_large_batch` cannot copy `model`, and the fix."""
+    model_class = type(model)
+    received = "; ".join(f"{type(error).__name__}: {error}"
+                         for error in errors)
+    own = [name for name, parameter in inspect.signature(
+        model_class.__init__).parameters.items()
+        if name != "self" and parameter.kind not in (
+            parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)]
+    if (own and class_tree.overriding_classes(model_class, "__init__")
+            and not class_tree.overriding_classes(model_class,
+                                                  "get_config")):
+        returned = ", ".join(f'"{name}": ...' for name in own)
+        return (
+            "`compare_with_large_batch` copies the model from its config, "
+            f"and `{model_class.__name__}.__init__` takes arguments "
+            f"({', '.join(own)}) that `get_config` does not return: give "
+            f"`{model_class.__name__}` a `get_config` returning "
+            f"`{{**super().get_config(), {returned}}}`. Received: "
+            f"{received}")
+    return (
+        "`compare_with_large_batch` copies the model with "
+        "`keras.models.clone_model`, or with `get_config` and "
+        f"`from_config`, and neither works for `{model_class.__name__}`. "
+        "Give the model a `get_config` that its `from_config` rebuilds it "
+        f"from. Received: {received}")
 
 
 def _num_samples(data):
@@ -395,47 +565,106 @@ def _coarsest_compute_dtype(model):
 
 
 def _random_layers(model):
-    """The model's layers that draw random numbers in training."""
-    return [layer for layer in adapter.layers_of(model)[1:]
-            if _random_switch(layer) is not None
-            or adapter.draws_random_numbers(layer)]
+    """The layers of `model` that draw random numbers in training: those
+    with a rate above 0 (which the check can set to 0), and those holding a
+    random generator with no rate to read (each may or may not draw)."""
+    switchable, unswitchable = [], []
+    for layer in adapter.layers_of(model)[1:]:
+        if not (_is_random_class(layer)
+                or adapter.draws_random_numbers(layer)):
+            continue
+        rates = _rates(layer)
+        if not rates:
+            unswitchable.append(layer)
+        elif any(value > 0 for value in rates.values()):
+            switchable.append(layer)
+    return switchable, unswitchable
 
 
-def _random_switch(layer):
-    """The attribute that switches `layer`'s randomness off, or None."""
-    for cls in type(layer).__mro__:
-        if cls.__name__ in _RANDOM_LAYER_SWITCHES and cls.__module__.split(
-                ".")[0] in ("keras", "tf_keras"):
-            return _RANDOM_LAYER_SWITCHES[cls.__name__]
-    return None
+def _is_random_class(layer):
+    return any(cls.__name__ in _RANDOM_LAYER_CLASSES
+               and class_tree.is_keras_class(cls)
+               for cls in type(layer).__mro__)
+
+
+def _rates(layer):
+    """`layer`'s rate attributes and their values."""
+    rates = {}
+    for name in _RATE_ATTRIBUTES:
+        value = getattr(layer, name, None)
+        if isinstance(value, (int, float, np.floating)) and not isinstance(
+                value, bool):
+            rates[name] = float(value)
+    return rates
 
 
 def _switch_off_random_layers(model):
-    for layer in _random_layers(model):
-        switch = _random_switch(layer)
-        if switch is not None:
-            setattr(layer, switch, 0.0)
+    for layer in _random_layers(model)[0]:
+        for name, value in _rates(layer).items():
+            if value > 0:
+                try:
+                    setattr(layer, name, 0.0)
+                except AttributeError:
+                    # A property read from an inner cell, which is switched
+                    # off itself.
+                    pass
 
 
-def _causes(random_layers, still_random, matches, settings):
+def _causes(model, switchable, unswitchable, uncontrolled, matches,
+            settings):
     causes = []
-    if random_layers:
-        names = ", ".join(f"'{layer.name}'" for layer in random_layers)
+    if switchable:
+        names = ", ".join(f"'{layer.name}'" for layer in switchable)
         causes.append(
             f"random layers ({names}) draw their numbers per micro-batch, "
             "not per large batch, so the weights differ by chance"
             + ("; with them switched off the copies match the large batch"
-               if matches and not still_random else ""))
-    if still_random:
-        names = ", ".join(f"'{layer.name}'" for layer in still_random)
+               if matches else ""))
+    if uncontrolled and unswitchable:
+        names = ", ".join(f"'{layer.name}'" for layer in unswitchable)
         causes.append(
-            f"random layers ({names}) have no rate or stddev to switch off: "
-            "they stayed random, so the verdict compares against float32's "
-            "epsilon, not a measured floor; check a copy of the model "
-            "without them to tell accumulation from chance")
+            f"layers ({names}) draw random numbers and have no rate to "
+            "switch off, so the large batch differs from itself and no "
+            "verdict can be given: check a copy of the model without "
+            "them to tell accumulation from chance")
+    elif uncontrolled:
+        causes.append(
+            "the large batch differs from itself when run again or with its "
+            "samples reordered: something in the model draws random numbers "
+            "that no Keras seed generator holds, or holds a seed that repeats "
+            "its draws by position (a `torch.nn.Dropout` in a "
+            "`TorchModuleWrapper`, `keras.random` calls without a "
+            "`SeedGenerator`, a fixed integer seed), so no verdict can be "
+            "given: check a copy of the model without them, or draw through "
+            "a `keras.random.SeedGenerator` with a Keras rate")
     if settings.accumulator_dtype in ("float16", "bfloat16"):
         causes.append(
             f"accumulator_dtype='{settings.accumulator_dtype}' sums "
             "gradients in fewer bits than float32: set "
             "accumulator_dtype='float32' for float32 rounding")
+    stray = _sparse_row_stray(model)
+    if stray and matches is False:
+        causes.append(stray)
     return causes
+
+
+def _sparse_row_stray(model):
+    """Where plain Keras's large batch strays from the single-device
+    reference the window keeps: an Embedding's sparse gradient given to an
+    optimizer that applies a repeated row's occurrences one at a time."""
+    if not adapter.STRAYS_ON_REPEATED_SPARSE_ROWS:
+        return ""
+    embeddings = [layer.name for layer in adapter.layers_of(model)[1:]
+                  if type(layer).__name__ == "Embedding"
+                  and layer.trainable]
+    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+    name = type(optimizer).__name__
+    if not embeddings or name not in _SPARSE_ROW_OPTIMIZERS:
+        return ""
+    return (
+        f"Embedding layers ({', '.join(embeddings)}) give TensorFlow's "
+        f"sparse gradient rows, and plain Keras's {name} applies a row "
+        "that repeats within a batch one occurrence at a time, which strays "
+        "from the large batch's gradient applied whole; the window applies "
+        "it whole. The difference may be that stray: check with "
+        "`keras.optimizers.SGD` to see accumulation alone")

@@ -388,3 +388,20 @@ def test_a_task_saved_mid_window_resumes_with_its_adamw_state(tmp_path):
     fit(resumed, start=12)
     assert iterations(resumed) == iterations(reference) == 3
     assert max_weight_difference(resumed, reference) <= 1e-6
+
+
+@pytest.mark.parametrize("use", ["plain", "mixin"])
+def test_the_large_batch_check_copies_a_causal_lm(use):
+    # `clone_model` gives a causal LM its tied embedding twice; the check
+    # copies it from its config instead.
+    from accum_model import compare_with_large_batch
+
+    make, plain_class, mixin_class, make_data = TASKS["causal_lm"]
+    model = (make(plain_class) if use == "plain"
+             else make(mixin_class, n_gradients=2))
+    _compile(model)
+    x, y, sample_weight = make_data(samples=16)
+    result = compare_with_large_batch(model, x, y,
+                                      sample_weight=sample_weight,
+                                      batch_size=4, n_gradients=2, steps=2)
+    assert result.matches, str(result)

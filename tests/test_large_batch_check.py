@@ -15,6 +15,8 @@ import pytest
 
 from accum_model import AccumulatingModel
 from accum_model import compare_with_large_batch
+from backends import ON_JAX
+from backends import ON_TORCH
 from backends import keras_2_too
 from helpers import KERAS_MAJOR
 from helpers import keras
@@ -134,8 +136,8 @@ else:
 
 
 def test_a_random_layer_that_cannot_be_switched_off_is_named():
-    # Its noise would make the reordered large batch's "floor" as large as
-    # the difference; the verdict is held to float32's epsilon instead.
+    # Its noise moves the large batch with the order of its samples, so
+    # the "floor" would be chance: the verdict is withheld, not "matches".
     keras.utils.set_random_seed(3)
     inputs = keras.Input((6,))
     hidden = _Noise(name="noise")(
@@ -145,11 +147,9 @@ def test_a_random_layer_that_cannot_be_switched_off_is_named():
     x, y = regression_data(samples=96)
     result = compare_with_large_batch(model, x, y, batch_size=8,
                                       n_gradients=4, steps=3)
-    assert result.difference_without_random_layers is not None
-    assert result.rounding_floor < 1e-6
-    assert result.matches == (result.difference_without_random_layers
-                              <= 10 * result.rounding_floor)
-    assert any("'noise'" in cause and "no rate or stddev" in cause
+    assert result.matches is None, str(result)
+    assert "cannot tell" in str(result)
+    assert any("'noise'" in cause and "no rate" in cause
                for cause in result.causes), result.causes
 
 
@@ -246,3 +246,246 @@ def test_a_model_under_two_replicas_is_checked_against_one_device(
                                           n_gradients=4, steps=3)
     assert result.matches, str(result)
     assert result.causes == ()
+
+
+def _batch_dependent(scale):
+    """A loss a little off the large batch: each sample's squared error
+    scaled by its batch's mean target, which a micro-batch holds of its own
+    samples only. `scale` sets how far off."""
+    def batch_dependent(y_true, y_pred):
+        ops = keras.ops if hasattr(keras, "ops") else keras.backend
+        return ops.mean((y_true - y_pred) ** 2, axis=-1) * (
+            1.0 + scale * ops.mean(y_true))
+    return batch_dependent
+
+
+if KERAS_MAJOR == 2:
+    class _UnseededDropout(keras.layers.Layer):
+        """Drops with TensorFlow's own random ops: no Keras generator."""
+
+        def __init__(self, seed=None, **kwargs):
+            super().__init__(**kwargs)
+            self.seed = seed
+
+        def call(self, inputs, training=False):
+            if not training:
+                return inputs
+            return tf.nn.dropout(inputs, 0.3, seed=self.seed)
+
+        def get_config(self):
+            return {**super().get_config(), "seed": self.seed}
+else:
+    class _UnseededDropout(keras.layers.Layer):
+        """Drops through `keras.random` with no `SeedGenerator`: no seed,
+        or a fixed integer that draws the same mask in every call."""
+
+        def __init__(self, seed=None, **kwargs):
+            super().__init__(**kwargs)
+            self.seed = seed
+
+        def call(self, inputs, training=False):
+            if not training:
+                return inputs
+            return keras.random.dropout(inputs, 0.3, seed=self.seed)
+
+        def get_config(self):
+            return {**super().get_config(), "seed": self.seed}
+
+
+@pytest.mark.parametrize("seed", [None, 1])
+def test_randomness_without_a_seed_generator_withholds_the_verdict(seed):
+    # Its draws move the reordered large batch by chance (a "floor" of
+    # 4e-2), so a misweighted model "matched"; no verdict is given.
+    if seed is None and ON_JAX:
+        pytest.skip("Keras on JAX refuses an unseeded draw in a traced step")
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6,))
+    hidden = _UnseededDropout(seed, name="unseeded")(
+        keras.layers.Dense(16, activation="tanh")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+    model.compile(optimizer=keras.optimizers.Adam(0.01),
+                  loss=_batch_dependent(0.03))
+    x, y = regression_data(samples=96)
+    result = compare_with_large_batch(model, x, y, batch_size=8,
+                                      n_gradients=4, steps=3)
+    assert result.matches is None, str(result)
+    assert "cannot tell" in str(result)
+    assert any("no Keras seed generator" in cause
+               for cause in result.causes), result.causes
+
+
+@pytest.mark.skipif(not ON_TORCH, reason="PyTorch backend only: a torch "
+                    "module in Keras")
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_a_torch_module_is_copied_and_its_dropout_withholds_the_verdict(
+        dropout):
+    import torch
+
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6,))
+    module = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
+                                 torch.nn.Dropout(dropout))
+    hidden = keras.layers.TorchModuleWrapper(module, output_shape=(None, 16))(
+        inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    x, y = regression_data(samples=96)
+    result = compare_with_large_batch(model, x, y, batch_size=8,
+                                      n_gradients=4, steps=3)
+    if dropout:
+        assert result.matches is None, str(result)
+    else:
+        assert result.matches, str(result)
+
+
+@pytest.mark.parametrize("policy, activation_dtype", [
+    ("mixed_float16", None), ("float32", "bfloat16")])
+def test_a_16_bit_floor_holds_only_where_16_bit_gradients_flow(
+        policy, activation_dtype):
+    # The 16-bit floor was applied to every weight and then widened
+    # tenfold: a loss this far off matched under mixed_float16, and one
+    # bfloat16 activation in a float32 model raised every weight's floor
+    # to bfloat16's.
+    x, y = regression_data(samples=96)
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        results = []
+        for loss in ("mse", _batch_dependent(0.03)):
+            keras.utils.set_random_seed(3)
+            inputs = keras.Input((6,))
+            hidden = keras.layers.Activation("tanh", dtype=activation_dtype)(
+                keras.layers.Dense(16)(inputs))
+            model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+            results.append(compare_with_large_batch(
+                model, x, y, batch_size=8, n_gradients=4, steps=3))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    exact, misweighted = results
+    assert exact.matches, str(exact)
+    assert misweighted.matches is False, str(misweighted)
+    if activation_dtype:
+        # The last layer's weights take float32 gradients: float32's floor.
+        assert misweighted.rounding_floor < 1e-6, str(misweighted)
+
+
+def test_each_model_is_warned_and_the_check_names_what_its_copy_was_told():
+    # Warnings were kept once per process by class name: a second
+    # functional model with the same loss was never told, nor the check.
+    x, y = regression_data(samples=64)
+    for _ in range(2):
+        model = _model(AccumulatingModel, n_gradients=2,
+                       loss=_summed_over_batch)
+        with pytest.warns(UserWarning, match="_summed_over_batch"):
+            model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    result = compare_with_large_batch(model, x, y, batch_size=8,
+                                      n_gradients=2, steps=2)
+    assert not result.matches
+    assert any("_summed_over_batch" in cause for cause in result.causes), (
+        result.causes)
+
+
+def test_layers_with_no_rate_to_draw_are_not_random():
+    # An LSTM without dropout, MultiHeadAttention(dropout=0) and
+    # Dropout(0.0) hold random generators and draw nothing: the model is
+    # exact, held to its measured floor, with no random layer blamed.
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((5, 6))
+    hidden = keras.layers.LSTM(8, return_sequences=True)(inputs)
+    hidden = keras.layers.MultiHeadAttention(2, 4, dropout=0.0)(hidden,
+                                                                hidden)
+    hidden = keras.layers.Dropout(0.0)(keras.layers.GRU(8)(hidden))
+    model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 5, 6)).astype("float32")
+    y = rng.normal(size=(64, 3)).astype("float32")
+    result = compare_with_large_batch(model, x, y, batch_size=8,
+                                      n_gradients=2, steps=3)
+    assert result.difference_without_random_layers is None
+    assert result.matches, str(result)
+    assert result.causes == ()
+
+
+def test_a_recurrent_layers_dropout_is_switched_off_in_the_copies():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((5, 6))
+    hidden = keras.layers.LSTM(8, dropout=0.3, name="lstm")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 5, 6)).astype("float32")
+    y = rng.normal(size=(64, 3)).astype("float32")
+    result = compare_with_large_batch(model, x, y, batch_size=8,
+                                      n_gradients=2, steps=3)
+    assert result.difference_without_random_layers is not None
+    assert result.matches, str(result)
+    assert any("lstm" in cause and "switched off" in cause
+               for cause in result.causes), result.causes
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_plain_keras_stray_on_sparse_embedding_rows_is_named(optimizer):
+    # Repeated tokens in a batch: on TensorFlow, plain Keras's Adam applies
+    # each occurrence of an Embedding's sparse row in turn, where the
+    # window applies the summed row. The check names that, not the GRU.
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6,), dtype="int32")
+    hidden = keras.layers.Embedding(12, 8, mask_zero=True)(inputs)
+    hidden = keras.layers.GRU(8)(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+    model.compile(optimizer=(keras.optimizers.SGD(0.1) if optimizer == "sgd"
+                             else keras.optimizers.Adam(0.01)), loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 4, size=(64, 6)).astype("int32")
+    x[::3, 4:] = 0
+    y = rng.normal(size=(64, 3)).astype("float32")
+    result = compare_with_large_batch(model, x, y, batch_size=8,
+                                      n_gradients=2, steps=3)
+    assert not any("gru" in cause for cause in result.causes), result.causes
+    from accum_model._chooser import adapter
+
+    if optimizer == "adam" and adapter.STRAYS_ON_REPEATED_SPARSE_ROWS:
+        assert result.matches is False, str(result)
+        assert any("Embedding" in cause and "SGD" in cause
+                   for cause in result.causes), result.causes
+    else:
+        assert result.matches, str(result)
+        assert result.causes == ()
+
+
+def test_a_lambda_layer_is_copied():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Lambda(lambda t: t * 0.5)(
+        keras.layers.Dense(16, activation="tanh")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    x, y = regression_data(samples=64)
+    result = compare_with_large_batch(model, x, y, batch_size=8,
+                                      n_gradients=2, steps=2)
+    assert result.matches, str(result)
+
+
+class _Sized(keras.Model):
+    """A subclass whose constructor takes its own argument, and no
+    `get_config` that returns it."""
+
+    def __init__(self, width, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(width, activation="tanh")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+
+def test_a_model_that_cannot_be_copied_is_told_the_fix():
+    model = _Sized(16)
+    model(np.zeros((2, 6), "float32"))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    x, y = regression_data(samples=32)
+    with pytest.raises(ValueError, match=r"compare_with_large_batch.*"
+                       r"_Sized.*\(width\).*get_config"):
+        compare_with_large_batch(model, x, y, batch_size=8, n_gradients=2,
+                                 steps=1)

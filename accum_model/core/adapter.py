@@ -28,7 +28,8 @@ A subclass also gives:
   `micro_steps_in_epoch`, `model_keyword_arguments`, `learning_rate_of`,
   `scalable_learning_rate`, `serialize_as`, `register_plain_name`,
   `clones_through_constructor`, `functional_constructor_signature`,
-  `wrap_sequential_cloning`.
+  `wrap_sequential_cloning`, `unsafe_deserialization`,
+  `compiled_state_hidden`.
 """
 
 from accum_model.core import class_tree
@@ -41,6 +42,10 @@ class Adapter:
     END_OF_DATA_ERRORS = ()
     # Why `steps_per_execution > 1` is refused, or "" where it is safe.
     STEPS_PER_EXECUTION_FIX = ""
+    # Whether Keras's Adam and RMSprop apply a row that repeats in an
+    # `Embedding`'s gradient one occurrence at a time: Keras 3 on
+    # TensorFlow, whose gradient is sparse rows (`IndexedSlices`).
+    STRAYS_ON_REPEATED_SPARSE_ROWS = False
 
     layers_of = staticmethod(class_tree.layers_of)
 

@@ -12,7 +12,6 @@ import collections
 import inspect
 
 from accum_model.core import class_tree
-from accum_model.core.messages import warn_once
 
 ShapeOps = collections.namedtuple("ShapeOps", [
     # `(value) -> tensor`.
@@ -200,7 +199,7 @@ def is_summed(reductions):
     return bool(reductions) and all(r.reduction == SUM for r in reductions)
 
 
-def micro_batch_weight(reductions, fallback, model_name, has_other_losses):
+def micro_batch_weight(reductions, fallback, warn, has_other_losses):
     """The micro-batch weight from the reductions of its loss terms.
 
     One term, or several whose divisors keep one ratio: the first term's
@@ -212,19 +211,19 @@ def micro_batch_weight(reductions, fallback, model_name, has_other_losses):
         reductions: List of `Reduction`, one per loss term.
         fallback: Callable returning the divisor read from the prediction
             (see `fallback_divisor`), for when no term says it.
-        model_name: Str. Names the model in warnings.
+        warn: Callable taking a message: warns once for the model (its
+            `_accumulation.warn_once`, so that every model is told).
         has_other_losses: Bool. Whether the model adds losses of its own
             (regularization, `add_loss`).
     """
     if not reductions:
         return fallback()
-    _warn_about_batch_dependence(reductions, model_name)
+    _warn_about_batch_dependence(reductions, warn)
     first = reductions[0]
     kinds = {r.reduction == SUM for r in reductions}
     if kinds == {True}:
         if has_other_losses:
-            _warn_once(
-                model_name,
+            warn(
                 "The loss is reduced with 'sum', and the model adds other "
                 "losses (regularization) that Keras adds once per batch: a "
                 "window of n micro-batches would add them n times. Use a mean "
@@ -232,8 +231,7 @@ def micro_batch_weight(reductions, fallback, model_name, has_other_losses):
             )
         return SUM
     if len(kinds) > 1:
-        _warn_once(
-            model_name,
+        warn(
             "The loss terms of this model are reduced differently (one with "
             "'sum', another with a mean), so no one micro-batch weight makes "
             "the window equal the large batch. Weighting by the first mean "
@@ -245,8 +243,7 @@ def micro_batch_weight(reductions, fallback, model_name, has_other_losses):
         # `(batch,)`, say): its mean ran over the prediction's elements.
         first = Reduction(first.reduction, fallback(), first.may_vary)
     if len(reductions) > 1 and any(r.may_vary for r in reductions):
-        _warn_once(
-            model_name,
+        warn(
             "The outputs' losses divide by numbers that may change "
             "differently from one micro-batch to the next (masks, "
             "`ignore_class`, sample-weighted means, or lengths that vary), "
@@ -257,14 +254,13 @@ def micro_batch_weight(reductions, fallback, model_name, has_other_losses):
     return first.divisor
 
 
-def _warn_about_batch_dependence(reductions, model_name):
+def _warn_about_batch_dependence(reductions, warn):
     """Warns (once) about each loss term no window of micro-batches can
     weigh as the large batch does, naming the way out."""
     for term in reductions:
         name = term.loss_name
         if term.dependence == SCALAR and term.reduction != SUM:
-            _warn_once(
-                model_name,
+            warn(
                 f"The loss {name} returns one number for the whole "
                 "micro-batch, not one per sample, so the window cannot tell "
                 "what it divides by: it weighs each micro-batch by its "
@@ -280,8 +276,7 @@ def _warn_about_batch_dependence(reductions, model_name):
                 "the large batch's: no weight reproduces it.",
             )
         elif term.dependence == WHOLE_BATCH:
-            _warn_once(
-                model_name,
+            warn(
                 f"The loss {name} computes one value over the whole batch, "
                 "which no window of micro-batches can reproduce: each "
                 "micro-batch's value is its own, and the window averages "
@@ -291,8 +286,7 @@ def _warn_about_batch_dependence(reductions, model_name):
                 "override `micro_batch_weight` to choose the weights.",
             )
         elif term.dependence == IN_BATCH:
-            _warn_once(
-                model_name,
+            warn(
                 f"The loss {name} compares each sample with the other "
                 "samples of its batch: under accumulation those are the "
                 "micro-batch's, not the large batch's, so the window is "
@@ -318,7 +312,7 @@ def default_weight(model, x, y_pred, get_mask, ops):
     weight = micro_batch_weight(
         getattr(model, "_traced_loss_reductions", []),
         lambda: fallback_divisor(x, y_pred, get_mask, ops),
-        type(model).__name__, has_other_losses=bool(model.losses),
+        _warning_for(model), has_other_losses=bool(model.losses),
     )
     # "sum": nothing divides; the window is the sum of its micro-batches.
     return ops.to_float32(1.0) if weight is SUM else weight
@@ -348,8 +342,12 @@ def fallback_divisor(x, y_pred, get_mask, ops):
     return ops.leading_elements(output)
 
 
-def _warn_once(model_name, message):
-    warn_once(model_name, f"{model_name}: {message}")
+def _warning_for(model):
+    """Warns once for `model` (each model is told, whatever others were),
+    its class named first."""
+    name = type(model).__name__
+    return lambda message: model._accumulation.warn_once(
+        f"{name}: {message}")
 
 
 def warn_where_one_weight_cannot_serve(model, y_pred, get_mask, ops):
@@ -382,6 +380,7 @@ def warn_if_padded_length_varies(model, seen):
     base = class_tree.accumulating_base(model_class)
     if model_class.micro_batch_weight is not base.micro_batch_weight:
         return
+    warn = model._accumulation.warn_once
     terms = getattr(model, "_traced_loss_reductions", [])
     for position, term in enumerate(terms):
         if term.elements_per_sample == -1 or term.reduction == SUM:
@@ -389,8 +388,7 @@ def warn_if_padded_length_varies(model, seen):
         lengths = seen.setdefault(position, set())
         lengths.add(term.elements_per_sample)
         if None in lengths or len(lengths) > 1:
-            warn_once(
-                model_class,
+            warn(
                 f"The loss {term.loss_name} divides each micro-batch by all "
                 "its elements, padding included, and the length the "
                 "micro-batches are padded to "
@@ -438,8 +436,7 @@ def warn_if_activity_penalty_is_misweighted(model, y_pred, get_mask, ops):
         if getattr(layer, "activity_regularizer", None) is not None
     ]
     if valid_only and regularized:
-        warn_once(
-            model_class,
+        model._accumulation.warn_once(
             "The loss divides each micro-batch by its valid elements (a "
             "Keras mask, `ignore_class`, or a mean weighted by the sample "
             "weights), so each micro-batch is weighted by them, but layers "

@@ -1,9 +1,6 @@
 """Warnings and error texts that more than one layer gives."""
 
 import sys
-import warnings
-
-_warned = set()
 
 
 # Modules a warning never points into: it points at the user's line that
@@ -23,15 +20,6 @@ def user_stacklevel():
         frame = frame.f_back
         level += 1
     return level
-
-
-def warn_once(key, message):
-    """Warns with `message` the first time it is given for `key`, pointing
-    at the user's line."""
-    if (key, message) in _warned:
-        return
-    _warned.add((key, message))
-    warnings.warn(message, stacklevel=user_stacklevel())
 
 
 def names_in_brief(names, listing, shown=3):

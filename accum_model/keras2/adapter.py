@@ -56,6 +56,8 @@ class Keras2Adapter(Adapter):
         saving.functional_constructor_signature)
     register_plain_name = staticmethod(saving.register_plain_name)
     serialize_as = staticmethod(saving.serialize_as)
+    unsafe_deserialization = staticmethod(saving.unsafe_deserialization)
+    compiled_state_hidden = staticmethod(saving.compiled_state_hidden)
     wrap_sequential_cloning = staticmethod(saving.wrap_sequential_cloning)
     check_strategy = staticmethod(loop.check_strategy)
     foreign_variables_in_graph = staticmethod(

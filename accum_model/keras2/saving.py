@@ -8,6 +8,7 @@ tf_keras 2.21.0 / TF 2.21.0, keras 2.15.0 / TF 2.15.1 and keras 2.13.1 /
 TF 2.13.1.
 """
 
+import contextlib
 import inspect
 
 from accum_model.tensorflow import checkpoint
@@ -18,6 +19,7 @@ from accum_model.keras2.package import src
 _cloning = src("models.cloning")
 _functional = src("engine.functional")
 _object_registration = src("saving.object_registration")
+_serialization_lib = src("saving.serialization_lib")
 
 Functional = _functional.Functional
 
@@ -30,6 +32,19 @@ def serialize_as(alias_class, registered_class):
     names = _object_registration._GLOBAL_CUSTOM_NAMES
     if registered_class in names:
         names[alias_class] = names[registered_class]
+
+
+def unsafe_deserialization():
+    """A context in which `from_config` rebuilds what Keras's safe mode
+    refuses (a `Lambda` of a Python lambda): the private
+    `SafeModeScope`."""
+    return _serialization_lib.SafeModeScope(False)
+
+
+def compiled_state_hidden(model):
+    """Nothing to hide: Keras 2's `clone_model` does not compile."""
+    del model
+    return contextlib.nullcontext()
 
 
 def register_plain_name(cls):

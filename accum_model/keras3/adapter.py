@@ -44,6 +44,8 @@ class Keras3Adapter(Adapter):
         saving.functional_constructor_signature)
     register_plain_name = staticmethod(saving.register_plain_name)
     serialize_as = staticmethod(saving.serialize_as)
+    unsafe_deserialization = staticmethod(saving.unsafe_deserialization)
+    compiled_state_hidden = staticmethod(saving.compiled_state_hidden)
     wrap_sequential_cloning = staticmethod(saving.wrap_sequential_cloning)
     micro_steps_in_epoch = staticmethod(loop.micro_steps_in_epoch)
     model_keyword_arguments = staticmethod(loop.model_keyword_arguments)

@@ -4,10 +4,13 @@ Checked on keras 3.6.0 / TF 2.16.2, 3.10.0 / TF 2.18.1 and 3.15.1 /
 TF 2.21.0 (the tests that exercise each helper pass, `.ci/matrix`).
 """
 
+import contextlib
+
 from keras.src.models import cloning
 from keras.src.models.functional import functional_like_constructor
 from keras.src.saving import object_registration
 from keras.src.saving.keras_saveable import KerasSaveable
+from keras.src.saving.serialization_lib import SafeModeScope
 
 from accum_model.core import class_tree
 from accum_model.core.patch import wrapped_for_good
@@ -23,6 +26,27 @@ def serialize_as(alias_class, registered_class):
     names = object_registration.GLOBAL_CUSTOM_NAMES
     if registered_class in names:
         names[alias_class] = names[registered_class]
+
+
+def unsafe_deserialization():
+    """A context in which `from_config` rebuilds what Keras's safe mode
+    refuses (a `Lambda` of a Python lambda, a `TorchModuleWrapper`'s
+    module): the private `SafeModeScope`."""
+    return SafeModeScope(False)
+
+
+@contextlib.contextmanager
+def compiled_state_hidden(model):
+    """A context in which `model` reads as not compiled: `clone_model`
+    compiles its clone from the model's compile config (keras 3.10 and
+    3.15.1, not 3.6), which fails on a loss function Keras cannot find by
+    name, where the caller compiles the clone itself."""
+    compiled = getattr(model, "compiled", False)
+    model.compiled = False
+    try:
+        yield
+    finally:
+        model.compiled = compiled
 
 
 def register_plain_name(cls):
