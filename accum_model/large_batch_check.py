@@ -651,20 +651,29 @@ def _causes(model, switchable, unswitchable, uncontrolled, matches,
 def _sparse_row_stray(model):
     """Where plain Keras's large batch strays from the single-device
     reference the window keeps: an Embedding's sparse gradient given to an
-    optimizer that applies a repeated row's occurrences one at a time."""
-    if not adapter.STRAYS_ON_REPEATED_SPARSE_ROWS:
-        return ""
+    optimizer that applies a repeated row's occurrences one at a time, or
+    clipped by values or norms taken over the occurrences."""
+    strays = adapter.SPARSE_ROW_STRAYS
     embeddings = [layer.name for layer in adapter.layers_of(model)[1:]
                   if type(layer).__name__ == "Embedding"
                   and layer.trainable]
     optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
     name = type(optimizer).__name__
-    if not embeddings or name not in _SPARSE_ROW_OPTIMIZERS:
+    strays_by_optimizer = ("optimizer" in strays
+                           and name in _SPARSE_ROW_OPTIMIZERS)
+    clipping = [option for option in ("clipnorm", "global_clipnorm",
+                                      "clipvalue")
+                if "clipping" in strays
+                and getattr(optimizer, option, None) is not None]
+    if not embeddings or not (strays_by_optimizer or clipping):
         return ""
+    what = " and ".join(
+        ([f"its {name} applies"] if strays_by_optimizer else [])
+        + ([f"its {', '.join(clipping)} clips"] if clipping else []))
     return (
         f"Embedding layers ({', '.join(embeddings)}) give TensorFlow's "
-        f"sparse gradient rows, and plain Keras's {name} applies a row "
-        "that repeats within a batch one occurrence at a time, which strays "
-        "from the large batch's gradient applied whole; the window applies "
-        "it whole. The difference may be that stray: check with "
-        "`keras.optimizers.SGD` to see accumulation alone")
+        f"sparse gradient rows, and plain Keras ({what}) a row that "
+        "repeats within a batch one occurrence at a time, which strays from "
+        "the large batch's gradient taken whole; the window takes it whole. "
+        "The difference may be that stray: check with "
+        "`keras.optimizers.SGD` and no clipping to see accumulation alone")

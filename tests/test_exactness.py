@@ -184,6 +184,21 @@ def test_masked_lstm_with_adam_matches_the_dense_embedding_gradient():
     assert max_weight_difference(plain, accumulating) <= TOLERANCE
 
 
+@_KERAS_OPS
+@pytest.mark.parametrize("clipping", ["clipvalue", "clipnorm",
+                                      "global_clipnorm"])
+def test_clipped_embedding_gradient_matches_the_dense_embedding_gradient(
+        clipping):
+    # Keras 3 on TensorFlow clips an Embedding's IndexedSlices gradient
+    # occurrence by occurrence of a repeated token (found by tests/fuzz.py):
+    # the window clips the dense gradient of the large batch.
+    value = {"clipvalue": 0.01, "clipnorm": 0.1, "global_clipnorm": 0.1}
+    plain, accumulating = _fit_masked_lstm(
+        lambda: keras.optimizers.SGD(0.5, **{clipping: value[clipping]}),
+        True)
+    assert max_weight_difference(plain, accumulating) <= TOLERANCE
+
+
 def _two_inputs(model_class, n_gradients=None, seed=5):
     keras.utils.set_random_seed(seed)
     left = keras.Input((4,), name="left")

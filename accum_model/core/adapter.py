@@ -42,10 +42,12 @@ class Adapter:
     END_OF_DATA_ERRORS = ()
     # Why `steps_per_execution > 1` is refused, or "" where it is safe.
     STEPS_PER_EXECUTION_FIX = ""
-    # Whether Keras's Adam and RMSprop apply a row that repeats in an
-    # `Embedding`'s gradient one occurrence at a time: Keras 3 on
-    # TensorFlow, whose gradient is sparse rows (`IndexedSlices`).
-    STRAYS_ON_REPEATED_SPARSE_ROWS = False
+    # Where plain Keras treats a row that repeats in an `Embedding`'s
+    # sparse gradient (TensorFlow's `IndexedSlices`) one occurrence at a
+    # time: "optimizer" (Adam, RMSprop, ... apply each in turn), "clipping"
+    # (`clipvalue` clips each, `clipnorm` and `global_clipnorm` count each
+    # in the norm). The window takes the gradient whole.
+    SPARSE_ROW_STRAYS = frozenset()
 
     layers_of = staticmethod(class_tree.layers_of)
 

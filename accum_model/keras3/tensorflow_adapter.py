@@ -173,7 +173,7 @@ class TensorFlowAdapter(Keras3Adapter):
     """Keras 3 on TensorFlow: the window of `accum_model.tensorflow`."""
 
     # Measured on keras 3.6.0 and 3.15.1 (tests/test_large_batch_check.py).
-    STRAYS_ON_REPEATED_SPARSE_ROWS = True
+    SPARSE_ROW_STRAYS = frozenset({"optimizer", "clipping"})
 
     Accumulation = TensorFlowAccumulation
     LossScaling = TensorFlowLossScaling
