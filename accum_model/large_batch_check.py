@@ -260,8 +260,10 @@ def _compare(model, x, y, batch_size, n_gradients, steps, sample_weight,
         or order_dependence > _ORDER_TOLERANCE[rounding_dtype])
     floors, allowed = _bounds(model, rounding_dtype, reference, repeated,
                               reordered, start)
-    shares = [_max_difference([a], [b]) / bound if bound else np.inf
-              for a, b, bound in zip(accumulated, reference, allowed)]
+    gaps = [_max_difference([a], [b])
+            for a, b in zip(accumulated, reference)]
+    shares = [gap / bound if bound else (np.inf if gap else 0.0)
+              for gap, bound in zip(gaps, allowed)]
     deciding = int(np.argmax(shares)) if shares else 0
     checked = _max_difference(accumulated, reference)
     matches = None if uncontrolled else all(share <= 1.0 for share in shares)
