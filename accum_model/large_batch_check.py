@@ -258,14 +258,14 @@ def _compare(model, x, y, batch_size, n_gradients, steps, sample_weight,
     uncontrolled = (
         repeat_gap > FLOOR_FACTOR * eps32 * max(largest, 1.0)
         or order_dependence > _ORDER_TOLERANCE[rounding_dtype])
-    floors, allowed = _bounds(model, rounding_dtype, reference, repeated,
-                              reordered, start)
+    floors, allowed = _bounds(model, rounding_dtype, largest, reference,
+                              repeated, reordered, start)
     gaps = [_max_difference([a], [b])
             for a, b in zip(accumulated, reference)]
     shares = [gap / bound if bound else (np.inf if gap else 0.0)
               for gap, bound in zip(gaps, allowed)]
     deciding = int(np.argmax(shares)) if shares else 0
-    checked = _max_difference(accumulated, reference)
+    checked = max(gaps, default=0.0)
     matches = None if uncontrolled else all(share <= 1.0 for share in shares)
     plain_messages = {str(w.message) for w in caught_large}
     # What the accumulating copy was told about the model (a library's
@@ -290,7 +290,8 @@ def _compare(model, x, y, batch_size, n_gradients, steps, sample_weight,
         deciding_weight=names[deciding] if names else "")
 
 
-def _bounds(model, rounding_dtype, reference, repeated, reordered, start):
+def _bounds(model, rounding_dtype, largest, reference, repeated, reordered,
+            start):
     """Each weight's rounding floor and allowed difference.
 
     A weight whose gradient stays in float32 has the float32 floor: how far
@@ -306,8 +307,6 @@ def _bounds(model, rounding_dtype, reference, repeated, reordered, start):
                else [False] * len(reference))
     moves = [max(_max_difference([a], [b]), _max_difference([c], [b]))
              for a, b, c in zip(repeated, reference, reordered)]
-    largest = max((float(np.max(np.abs(w))) for w in reference if w.size),
-                  default=0.0)
     floor32 = max([float(np.finfo(np.float32).eps) * largest] + [
         move for move, in_16_bits in zip(moves, rounded) if not in_16_bits])
     floors, allowed = [], []

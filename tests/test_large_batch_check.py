@@ -259,37 +259,26 @@ def _batch_dependent(scale):
     return batch_dependent
 
 
-if KERAS_MAJOR == 2:
-    class _UnseededDropout(keras.layers.Layer):
-        """Drops with TensorFlow's own random ops: no Keras generator."""
+# Keras 2 draws through TensorFlow's own random ops, Keras 3 through
+# `keras.random`: neither holds a Keras seed generator.
+_dropout = tf.nn.dropout if KERAS_MAJOR == 2 else keras.random.dropout
 
-        def __init__(self, seed=None, **kwargs):
-            super().__init__(**kwargs)
-            self.seed = seed
 
-        def call(self, inputs, training=False):
-            if not training:
-                return inputs
-            return tf.nn.dropout(inputs, 0.3, seed=self.seed)
+class _UnseededDropout(keras.layers.Layer):
+    """Drops with no `SeedGenerator`: no seed, or a fixed integer that
+    draws the same mask in every call."""
 
-        def get_config(self):
-            return {**super().get_config(), "seed": self.seed}
-else:
-    class _UnseededDropout(keras.layers.Layer):
-        """Drops through `keras.random` with no `SeedGenerator`: no seed,
-        or a fixed integer that draws the same mask in every call."""
+    def __init__(self, seed=None, **kwargs):
+        super().__init__(**kwargs)
+        self.seed = seed
 
-        def __init__(self, seed=None, **kwargs):
-            super().__init__(**kwargs)
-            self.seed = seed
+    def call(self, inputs, training=False):
+        if not training:
+            return inputs
+        return _dropout(inputs, 0.3, seed=self.seed)
 
-        def call(self, inputs, training=False):
-            if not training:
-                return inputs
-            return keras.random.dropout(inputs, 0.3, seed=self.seed)
-
-        def get_config(self):
-            return {**super().get_config(), "seed": self.seed}
+    def get_config(self):
+        return {**super().get_config(), "seed": self.seed}
 
 
 @pytest.mark.parametrize("seed", [None, 1])
