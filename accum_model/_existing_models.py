@@ -1,5 +1,6 @@
 """`accumulating(model)`: gradient accumulation for a model that exists."""
 
+import difflib
 import functools
 
 from accum_model import _model_classes
@@ -15,18 +16,31 @@ _accumulating_classes = {}
 def check_is_keras_model(model, taker):
     """Refuses anything but a model of the Keras that trains, naming the
     function `taker` that was given it."""
-    if not isinstance(model, keras.Model):
+    if isinstance(model, keras.Model):
+        return
+    received = f"{type(model).__module__}.{type(model).__name__}"
+    if isinstance(model, keras.layers.Layer):
         raise ValueError(
-            f"`{taker}` takes a model of the Keras behind `tf.keras` in "
-            f"this process, a `{keras.__name__}.Model` (for a tf_keras "
-            "model, set TF_USE_LEGACY_KERAS=1 before TensorFlow is "
-            "imported). Received: model of type "
-            f"{type(model).__module__}.{type(model).__name__}"
+            f"`{taker}` takes a model, and was given a layer: wrap it in "
+            f"one first, e.g. `{keras.__name__}.Sequential([layer])` or a "
+            f"functional `{keras.__name__}.Model(inputs, layer(inputs))`. "
+            f"Received: model of type {received}"
         )
+    other_keras = type(model).__module__.split(".")[0] in ("keras",
+                                                            "tf_keras")
+    hint = (" (for a tf_keras model, set TF_USE_LEGACY_KERAS=1 before "
+            "TensorFlow is imported; for a Keras 3 model, leave it unset)"
+            if other_keras else "")
+    raise ValueError(
+        f"`{taker}` takes a `{keras.__name__}.Model`, the Keras behind "
+        f"`tf.keras` in this process{hint}. Received: model of type "
+        f"{received}"
+    )
 
 
-def accumulating(model, n_gradients, flush_each_epoch=True,
-                 accumulator_dtype="float32", measure_noise_scale=False):
+def accumulating(model, n_gradients=None, flush_each_epoch=True,
+                 accumulator_dtype="float32", measure_noise_scale=False,
+                 **unknown):
     """Makes an existing Keras model accumulate gradients.
 
     The model itself is changed and returned: its class becomes a subclass
@@ -59,6 +73,8 @@ def accumulating(model, n_gradients, flush_each_epoch=True,
         ValueError: A setting is out of range, or `model` has a window open
             (`model.apply_open_window()` first) and the settings differ.
     """
+    if unknown or n_gradients is None:
+        _refuse_arguments(unknown)
     settings = Settings(n_gradients, flush_each_epoch, accumulator_dtype,
                         measure_noise_scale)
     check_is_keras_model(model, "accumulating")
@@ -66,6 +82,23 @@ def accumulating(model, n_gradients, flush_each_epoch=True,
         model.__class__ = accumulating_class(type(model))
     model._accumulate_with(settings)
     return model
+
+
+def _refuse_arguments(unknown):
+    """Names the keyword `accumulating` does not take (with the closest one
+    it does), or the missing `n_gradients`."""
+    taken = tuple(Settings.DEFAULTS)
+    if not unknown:
+        raise TypeError("accumulating() needs `n_gradients`, the "
+                        "micro-batches per update: an int >= 1 or a "
+                        "schedule {epoch: n}")
+    name = next(iter(unknown))
+    close = difflib.get_close_matches(name, taken, n=1)
+    hint = f" Did you mean `{close[0]}`?" if close else ""
+    raise TypeError(
+        f"accumulating() got an unexpected keyword argument {name!r}.{hint} "
+        f"It takes {', '.join(taken)}. Received: {name}={unknown[name]!r}"
+    )
 
 
 def accumulating_class(cls):

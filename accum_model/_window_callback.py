@@ -1,10 +1,13 @@
 """The callbacks that tie windows to `fit()`'s epochs, validation and logs."""
 
 import inspect
+import threading
 
 from accum_model._checks import samples_in
 from accum_model._chooser import adapter
 from accum_model._chooser import keras
+from accum_model.core import messages
+from accum_model.core.settings import Settings
 from accum_model.window_from_noise_scale import WindowFromNoiseScale
 
 
@@ -26,8 +29,9 @@ class WindowCallback(keras.callbacks.Callback):
         epochs: Int. The `epochs` argument of `fit()`.
     """
 
-    # Its batch hook only rewrites a log entry: Keras 3 may run it off the
-    # training thread, as it runs callbacks of its own.
+    # Its batch hook only rewrites log entries, and reads the model only
+    # on the training thread: Keras 3 may run it off that thread (where no
+    # other callback reads a batch's logs), as it runs callbacks of its own.
     async_safe = True
 
     def __init__(self, accumulating_model, epochs):
@@ -41,6 +45,10 @@ class WindowCallback(keras.callbacks.Callback):
         # (total, count) pair, once read: validation resets that tracker
         # and fills it with the validation loss.
         self._training_loss = None
+        # Whether the epoch's logged loss is Keras's own (a window ended in
+        # it), and the thread that trains.
+        self._window_ended_in_epoch = False
+        self._training_thread = None
 
     @classmethod
     def added_to_fit_arguments(cls, model, args, kwargs):
@@ -97,6 +105,8 @@ class WindowCallback(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         self._training_loss = None
+        self._window_ended_in_epoch = False
+        self._training_thread = threading.current_thread()
         model = self.accumulating_model
         # A CallbackList of the user's gives no `params`, which Keras 2's
         # callbacks then lack.
@@ -107,6 +117,10 @@ class WindowCallback(keras.callbacks.Callback):
                 steps, adapter.steps_per_execution(model)
             )
         model._accumulation.start_epoch(steps, epoch)
+        length = model._accumulation.window_length()
+        if steps and model.flush_each_epoch and steps < length:
+            model._accumulation.warn_once(
+                messages.windows_cut_by_epoch(steps, length))
         if not model.flush_each_epoch:
             # A window may run through this epoch without ending in it.
             self._loss_start = model._accumulation.loss_totals()
@@ -188,6 +202,24 @@ class WindowCallback(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if logs is not None and "skipped_windows" in logs:
             logs["skipped_windows"] = WholeCount(logs["skipped_windows"])
+        if (logs is not None and "loss" in logs
+                and not self._window_ended_in_epoch
+                and not adapter.STEP_LOGS_LOSS_BEFORE_A_WINDOW_ENDS
+                and threading.current_thread() is self._training_thread):
+            self._log_loss_before_a_window_ends(logs)
+
+    def _log_loss_before_a_window_ends(self, logs):
+        """Until a window ends in the epoch Keras's loss tracker is empty,
+        and the progress bar and callbacks would read 0: they read the loss
+        of the epoch's micro-batches so far."""
+        model = self.accumulating_model
+        totals = adapter.logged_loss_totals(model)
+        loss = (None if totals is None or totals[1] > 0
+                else model._accumulation.loss_since(self._loss_start))
+        if loss is None:
+            self._window_ended_in_epoch = True  # nothing more to read
+        else:
+            logs["loss"] = loss
 
     def log_skipped_windows(self, logs):
         model = self.accumulating_model
@@ -305,6 +337,14 @@ class _StoppedWindowCallback(keras.callbacks.Callback):
 def _fit_argument_error(error, kwargs):
     """Keras's own message for arguments `fit()` does not take, and where a
     keyword of `compile()` belongs."""
+    settings = sorted(set(kwargs) & set(Settings.DEFAULTS))
+    if settings:
+        name = settings[0]
+        return (f"fit() got an unexpected keyword argument {name!r}: it is "
+                "a setting of the model, given to its constructor, to "
+                f"`accumulating(model, {name}=...)` or as `model.{name} = "
+                f"...` before fit(). Received: {name}={kwargs[name]!r} in "
+                "fit()")
     compile_keywords = set(inspect.signature(keras.Model.compile).parameters)
     misplaced = sorted(set(kwargs) & compile_keywords)
     if not misplaced:

@@ -16,6 +16,7 @@ from accum_model._chooser import adapter
 from accum_model._chooser import keras
 from accum_model._window_callback import WindowCallback
 from accum_model.core import class_tree
+from accum_model.core import messages
 from accum_model.core.settings import Settings
 from accum_model.core.settings import n_gradients_from_config
 
@@ -361,7 +362,8 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
         if left_open:
             warnings.warn(
                 f"fit() starts with a window left open by `train_on_batch` "
-                f"or a loop driven by hand: its {left_open} micro-batches "
+                "or a loop driven by hand: its "
+                f"{messages.counted(left_open, 'micro-batch')} "
                 "make the first window of this fit() with the ones that "
                 "follow. Call `model.apply_open_window()` before fit() to "
                 "apply them as an update of their own.",
@@ -394,8 +396,9 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
         if open_steps and getattr(type(self), "_accum_model_loads_plain",
                                   False):
             warnings.warn(
-                f"The file holds the open window ({open_steps} "
-                "micro-batches accumulated and not yet applied), but "
+                "The file holds the open window ("
+                f"{messages.counted(open_steps, 'micro-batch')} accumulated "
+                "and not yet applied), but "
                 f"`load_model` gives back a plain {type(self).__name__}, "
                 "which does not read the window: after loading, call "
                 "`accumulating(model, ...)`, compile, build the optimizer "
@@ -403,6 +406,14 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
                 f"`model.load_weights({str(filepath)!r})` to restore it. "
                 "Or call `model.apply_open_window()` before saving.",
                 stacklevel=2,
+            )
+        elif getattr(type(self), "_accum_model_loads_plain", False):
+            self._accumulation.warn_once(
+                f"`load_model` gives this file back as a plain "
+                f"{type(self).__name__}, which does not accumulate: call "
+                "`accumulating(model, ...)` on it again after loading (a "
+                "functional `keras.Model` or an `AccumulatingModel` subclass "
+                "loads accumulating)."
             )
         return super().save(filepath, *args, **kwargs)
 

@@ -30,6 +30,7 @@ from accum_model._existing_models import accumulating
 from accum_model._existing_models import check_is_keras_model
 from accum_model.accumulating_model import AccumulatingModel
 from accum_model.core import class_tree
+from accum_model.core.messages import counted
 from accum_model.core.settings import Settings
 
 # How far above the float32 rounding floor the accumulating copy may land
@@ -123,14 +124,16 @@ class LargeBatchComparison:
         if self.matches is None:
             lines = [
                 "cannot tell whether accumulation matches the large batch "
-                f"over {self.windows} windows{switched}: randomness no seed "
+                f"over {counted(self.windows, 'window')}{switched}: randomness "
+                "no seed "
                 "controls moves the large batch itself (max |weight "
                 f"difference| {compared:.2e}, a chance one)"]
         else:
             verdict = "matches" if self.matches else "differs from"
             lines = [
                 f"accumulation {verdict} the large batch over "
-                f"{self.windows} windows{switched}: max |weight difference| "
+                f"{counted(self.windows, 'window')}{switched}: max |weight "
+                "difference| "
                 f"{compared:.2e}; at '{self.deciding_weight}', the closest "
                 f"to its bound, {self.allowed_difference:.2e} allowed "
                 f"({self.rounding_dtype} rounding floor "

@@ -402,7 +402,7 @@ def test_open_window_is_never_dropped_when_trainable_weights_change():
     model.train_on_batch(x[:8], y[:8])
     model.layers[1].trainable = False
     model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError, match="1 micro-batches accumulated"):
+    with pytest.raises(ValueError, match="1 micro-batch accumulated"):
         model.train_on_batch(x[8:], y[8:])
 
 
@@ -562,3 +562,31 @@ def test_a_compile_argument_given_to_fit_is_named_as_compiles(keyword):
                                         "not take.*unknown_argument"):
         model.fit(x, y, batch_size=8, verbose=0, unknown_argument=2)
     assert iterations(model) == 0
+
+
+def test_a_setting_given_to_fit_is_named_as_the_models():
+    x, y = regression_data(samples=16)
+    model = _compiled(n_gradients=2)
+    with pytest.raises(TypeError, match="'n_gradients': it is a setting of "
+                                        "the model.*accumulating"):
+        model.fit(x, y, batch_size=8, verbose=0, n_gradients=4)
+    assert iterations(model) == 0
+
+
+def test_accumulating_names_a_misspelt_or_missing_argument():
+    from accum_model import accumulating
+    model = mlp(keras.Model)
+    with pytest.raises(TypeError, match="'n_gradient'. Did you mean "
+                                        "`n_gradients`"):
+        accumulating(model, n_gradient=4)
+    with pytest.raises(TypeError, match="needs `n_gradients`"):
+        accumulating(model)
+    assert not isinstance(model, AccumulatingModel)
+
+
+def test_a_layer_given_as_a_model_is_told_to_wrap_it():
+    from accum_model import accumulating
+    with pytest.raises(ValueError, match="given a layer.*Sequential") as e:
+        accumulating(keras.layers.Dense(2), 4)
+    assert "TF_USE_LEGACY_KERAS" not in str(e.value)
+

@@ -366,3 +366,28 @@ def test_callbacks_see_the_losses_history_keeps():
                         verbose=0, callbacks=[record]).history
     assert seen == history["loss"]
     assert min(seen) > 0.5, seen
+
+
+@pytest.mark.parametrize("flush_each_epoch", [True, False])
+def test_the_micro_batches_before_the_first_window_ends_log_their_loss(
+        flush_each_epoch):
+    # Keras's loss tracker is empty until a window ends: the progress bar
+    # and the callbacks read 0.0 for the first n - 1 micro-batches.
+    x, y = regression_data(samples=64)
+    model = mlp(AccumulatingModel, n_gradients=4,
+                flush_each_epoch=flush_each_epoch)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    plain = mlp(keras.Model)
+    plain.compile(loss="mse")
+    seen = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append(
+            float(logs["loss"])))
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+              callbacks=[record])
+    # The loss of the micro-batches so far, as one batch, at the weights
+    # before the first update.
+    so_far = [plain.evaluate(x[:8 * k], y[:8 * k], batch_size=64, verbose=0)
+              for k in (1, 2, 3)]
+    np.testing.assert_allclose(seen[:3], so_far, rtol=1e-5)
+    assert len(seen) == 16 and min(seen) > 0.0, seen

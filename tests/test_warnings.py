@@ -13,8 +13,10 @@ from accum_model._chooser import adapter
 from backends import ON_TORCH
 from backends import keras_2_too
 from helpers import fit_both
+from helpers import iterations
 from helpers import keras
 from helpers import max_weight_difference
+from helpers import mlp
 from helpers import regression_data
 from helpers import sum_of_squares
 from helpers import weights_file
@@ -463,3 +465,38 @@ def test_a_loss_over_pairs_of_the_batch_is_named_as_beyond_any_weight():
                 if "one number for the whole" in m]
     assert len(messages) == 1
     assert "no weight reproduces it" in messages[0]
+
+
+@pytest.mark.parametrize("n_gradients, flush_each_epoch, named", [
+    (8, True, True), (4, True, False), (8, False, False)])
+def test_an_epoch_shorter_than_a_window_is_named(n_gradients,
+                                                 flush_each_epoch, named):
+    x, y = regression_data(samples=16)
+    model = mlp(AccumulatingModel, n_gradients=n_gradients,
+                flush_each_epoch=flush_each_epoch)
+    model.compile(optimizer="sgd", loss="mse")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    cut = [str(w.message) for w in caught if "fewer than a window" in
+           str(w.message)]
+    assert len(cut) == named  # once, for both epochs
+    if named:
+        assert "n_gradients <= 4" in cut[0]
+        assert "flush_each_epoch=False" in cut[0]
+        # Each epoch's 4 micro-batches were one update, as it says.
+        assert iterations(model) == 2
+
+
+def test_a_model_that_loads_plain_says_so_when_saved(tmp_path):
+    model = accumulating(keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(1)]), 2)
+    model.compile(optimizer="sgd", loss="mse")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.save(tmp_path / "model.keras")
+    said = [str(w.message) for w in caught if "does not accumulate" in
+            str(w.message)]
+    assert len(said) == 1 and "accumulating(model, ...)" in said[0]
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert not isinstance(loaded, AccumulatingModel)  # as it said

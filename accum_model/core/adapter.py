@@ -48,6 +48,10 @@ class Adapter:
     # (`clipvalue` clips each, `clipnorm` and `global_clipnorm` count each
     # in the norm). The window takes the gradient whole.
     SPARSE_ROW_STRAYS = frozenset()
+    # Whether the step itself logs the open window's loss while Keras's
+    # loss tracker is empty (the model's state cannot be read mid-epoch),
+    # or the window callback writes it into the batch's logs.
+    STEP_LOGS_LOSS_BEFORE_A_WINDOW_ENDS = False
 
     layers_of = staticmethod(class_tree.layers_of)
 

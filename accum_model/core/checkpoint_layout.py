@@ -14,6 +14,8 @@ import warnings
 
 import numpy as np
 
+from accum_model.core.messages import counted
+
 # Counters saved with the window, in the order of the "counters" array. The
 # windows after the open one take the loading model's length, so only the
 # open window's own length is saved.
@@ -249,7 +251,8 @@ def statistics_to_write(arrays, shapes, counters, names):
         if expected and counters["micro_steps"]:
             warnings.warn(
                 "The checkpoint's open window holds "
-                f"{int(counters['micro_steps'])} micro-batches but no "
+                f"{counted(int(counters['micro_steps']), 'micro-batch')} "
+                "but no "
                 "BatchNormalization statistics for them (it was saved by a "
                 "model whose layers moved their own): this window's moving "
                 "statistics come from the micro-batches after the resume "

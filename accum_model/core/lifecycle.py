@@ -204,10 +204,14 @@ class WindowLifecycle:
     def loss_totals(self):
         """The open window's loss sum, weight sum (over replicas) and micro
         steps, eagerly: zeros without a window."""
-        if self.window is None:
+        micro_steps = 0 if self.window is None else self.open_micro_steps()
+        if not micro_steps:
+            # An emptied window's sums are zeros wherever the store leaves
+            # them (the stateless store lets the next micro step write over
+            # them).
             return 0.0, 0.0, 0
         return (self._window_value("loss_sum"),
-                self._window_value("weight_sum"), self.open_micro_steps())
+                self._window_value("weight_sum"), micro_steps)
 
     def noise_scale(self):
         """Float, the gradient noise scale measured in the current epoch.

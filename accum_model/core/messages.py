@@ -32,6 +32,14 @@ def names_in_brief(names, listing, shown=3):
             "lists them all)")
 
 
+def counted(count, noun):
+    """`count` and `noun`, plural unless the count is one: "1 window",
+    "3 micro-batches"."""
+    plural = noun[:-1] + "ies" if noun.endswith("y") else noun + (
+        "es" if noun.endswith("h") else "s")
+    return f"{count} {noun if count == 1 else plural}"
+
+
 def window_is_open(open_steps):
     """Says that a window holds `open_steps` micro-batches, and the fix.
 
@@ -39,6 +47,21 @@ def window_is_open(open_steps):
         open_steps: Int > 0. Micro-batches accumulated and not yet applied.
     """
     return (
-        f"a window open ({open_steps} micro-batches accumulated and not yet "
+        f"a window open ({counted(open_steps, 'micro-batch')} accumulated "
+        "and not yet "
         "applied). Call `model.apply_open_window()` first"
+    )
+
+
+def windows_cut_by_epoch(epoch_steps, window_length):
+    """Says that every window of an epoch of `epoch_steps` micro-batches
+    ends at the epoch's end, before its `window_length`, and the fixes."""
+    return (
+        f"Each epoch has {counted(epoch_steps, 'micro-batch')}, fewer than "
+        f"a window (n_gradients={window_length}): with "
+        "flush_each_epoch=True every window ends at the epoch's end, so "
+        f"each update is the mean over {epoch_steps}, not {window_length}. "
+        f"Set n_gradients <= {epoch_steps}, give each epoch more "
+        "micro-batches (a smaller batch_size or more steps_per_epoch), or "
+        "set flush_each_epoch=False to let windows run across epochs."
     )

@@ -153,6 +153,15 @@ def accumulating_train_step(model, state, data):
         model._loss_tracker.update_state(
             window_loss, sample_weight=jnp.where(ends, window_samples, 0.0))
         logs = model.compute_metrics(x, y, y_pred, sample_weight)
+        if "loss" in logs:
+            # Until a window ends in the epoch the tracker is empty: the
+            # logs read the open window's loss so far instead of 0.
+            so_far = window.loss_sum
+            if accumulation.divide_by_weight:
+                so_far = so_far / jnp.maximum(window.weight_sum, 1e-30)
+            logs = {**logs, "loss": jnp.where(
+                _current(scope, model._loss_tracker.count) > 0,
+                logs["loss"], so_far)}
     metrics_values = [
         _current(scope, variable) for variable in model.metrics_variables]
     accumulation._traced_window = None
@@ -539,6 +548,7 @@ class JaxAdapter(StatelessAdapter):
 
     Accumulation = JaxAccumulation
     ModelDifferences = JaxModelDifferences
+    STEP_LOGS_LOSS_BEFORE_A_WINDOW_ENDS = True
     accumulating_train_step = staticmethod(accumulating_train_step)
     check_strategy = staticmethod(check_strategy)
     batch_split_ways = staticmethod(batch_split_ways)
