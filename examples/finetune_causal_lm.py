@@ -27,12 +27,36 @@ Needs keras-hub (`pip install keras-hub`; the test extra has it). Run:
 KERAS_BACKEND=jax python examples/finetune_causal_lm.py
 """
 
+import logging
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import keras_hub  # noqa: E402
+# TensorFlow's C++ (which keras-hub imports on every backend) writes its
+# start-up notices (CUDA's "failed call to cuInit" on a machine without a
+# GPU, CPU instructions) to stderr before any log level applies: stderr is
+# closed while the libraries start, and Python errors still show.
+_stderr = os.dup(2)
+os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+try:
+    import keras  # noqa: E402
+    import keras_hub  # noqa: E402
+
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf  # noqa: E402
+
+        tf.config.list_logical_devices()  # device start-up notices
+finally:
+    os.dup2(_stderr, 2)
+# tf.data's and tf.function's advice on the plain runs' input pipelines and
+# retracing is not this example's to act on.
+logging.getLogger("tensorflow").setLevel(logging.ERROR)
+try:
+    from absl import logging as absl_logging
+except ImportError:
+    pass
+else:
+    absl_logging.set_verbosity(absl_logging.ERROR)
 import numpy as np  # noqa: E402
 
 from accum_model import accumulating  # noqa: E402

@@ -96,7 +96,11 @@ class UpdateCounter(keras.callbacks.Callback):
         line = (f"  epoch {epoch + 1}: {updates} optimizer updates, "
                 f"val_accuracy={logs['val_accuracy']:.3f}")
         if "noise_scale" in logs:
-            line += f", noise_scale={logs['noise_scale']:.0f} samples"
+            noise_scale = logs["noise_scale"]
+            line += (f", noise_scale={noise_scale:.0f} samples"
+                     if np.isfinite(noise_scale) else
+                     ", noise_scale: the gradient is still below its noise"
+                     if noise_scale > 0 else ", noise_scale: not measured")
         print(line)
 
 
