@@ -1,11 +1,10 @@
 """Every Python block of README.md and docs/ runs, so the docs cannot rot.
 
-A page's blocks run in order, in one fresh process per page. README.md's
-blocks run exactly as written. A page of docs/ starts from `DOCS_PRELUDE`:
-the names its fragments take for granted (`keras`, `tf`, `np`,
-`AccumulatingModel`, `accumulating`, small `x`/`y` data, an `inputs` /
-`outputs` graph and `build_model()`). A block that cannot run here starts
-with `# not run:` and the reason.
+A block runs as a user copies it, in a fresh process: on its own, or,
+where its first line says `# continues from the block above`, after the
+blocks of its page it continues from. README.md's blocks each run alone and
+print what the page shows. A block that cannot run here starts with
+`# not run:` and the reason.
 """
 
 import pathlib
@@ -18,29 +17,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 NOT_RUN = "# not run:"
-
-DOCS_PRELUDE = '''
-import keras
-import numpy as np
-import tensorflow as tf
-
-from accum_model import AccumulatingModel
-from accum_model import accumulating
-
-rng = np.random.default_rng(0)
-x = rng.normal(size=(64, 6)).astype("float32")
-y = rng.normal(size=(64, 1)).astype("float32")
-inputs = keras.Input((6,))
-outputs = keras.layers.Dense(1)(keras.layers.Dense(8, activation="relu")(inputs))
-
-
-def build_model(n_gradients=4):
-    model_inputs = keras.Input((6,))
-    hidden = keras.layers.Dense(8, activation="relu")(model_inputs)
-    return AccumulatingModel(inputs=model_inputs,
-                             outputs=keras.layers.Dense(1)(hidden),
-                             n_gradients=n_gradients)
-'''
+CONTINUES = "# continues from the block above"
 
 
 def python_blocks(page):
@@ -67,26 +44,37 @@ def test_blocks_not_run_say_why():
                 )
 
 
+def runs(page):
+    """The page's runnable blocks as runs: each a block that starts fresh,
+    with the blocks that continue from it."""
+    chains = []
+    for block in python_blocks(page):
+        if block.startswith(NOT_RUN):
+            continue
+        if block.startswith(CONTINUES):
+            assert chains, f"{page.name}: a block continues from nothing"
+            chains[-1].append(block)
+        else:
+            chains.append([block])
+    return chains
+
+
 @pytest.mark.parametrize(
-    "page", [p for p in PAGES[1:] if python_blocks(p)], ids=lambda p: p.name
+    "page", [p for p in PAGES[1:] if runs(p)], ids=lambda p: p.name
 )
 def test_page_blocks_run(page, tmp_path):
-    blocks = [b for b in python_blocks(page)
-              if not b.startswith(NOT_RUN)]
-    if not blocks:
-        pytest.skip("every block is marked not run")
-    code = "\n".join(blocks)
-    if "keras_hub" in code:
-        pytest.importorskip("keras_hub")
-    if page.parent.name == "docs":
-        code = DOCS_PRELUDE + "\n" + code
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-        text=True, timeout=600,
-    )
-    assert result.returncode == 0, (
-        f"{page.name}'s code blocks failed:\n{result.stderr[-3000:]}"
-    )
+    for chain in runs(page):
+        code = "\n".join(chain)
+        if "keras_hub" in code:
+            pytest.importorskip("keras_hub")
+        result = subprocess.run(
+            [sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+            text=True, timeout=600,
+        )
+        assert result.returncode == 0, (
+            f"{page.name}'s block failed as it stands:\n"
+            f"{chain[0][:300]}\n{result.stderr[-3000:]}"
+        )
 
 
 def _readme_blocks():
