@@ -3,7 +3,8 @@ plain Keras's large batch, each exact or warned.
 
 A `Use` is a plain description (an architecture, a loss, sample weights, an
 optimizer and its clipping, a window and a micro-batch size, a number of
-samples that leaves a short last micro-batch, a seed); `uses()` draws them
+samples that leaves a short last micro-batch, a seed, one or two replicas,
+and how the micro-batches reach `fit()`); `uses()` draws them
 with Hypothesis, which shrinks a failing one to a minimal one. `run(use)`
 trains, from the same weights and on one device:
 
@@ -98,6 +99,7 @@ class Use:
     samples: int
     seed: int
     replicas: int = 1
+    data: str = "arrays"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +121,18 @@ class Outcome:
     @property
     def warned_but_exact(self):
         return self.exact and bool(self.warned)
+
+
+def data_kinds():
+    """How the accumulating model's micro-batches reach `fit()` here:
+    arrays, a Python generator, a `PyDataset` (Keras 3) and a `tf.data`
+    dataset (on TensorFlow)."""
+    kinds = ["arrays", "generator"]
+    if KERAS_MAJOR == 3:
+        kinds.append("py_dataset")
+    if keras.backend.backend() == "tensorflow":
+        kinds.append("tf_data")
+    return tuple(kinds)
 
 
 def uses():
@@ -145,6 +159,7 @@ def uses():
         micro_batch = replicas * draw_value(st.integers(1, 6 // replicas))
         large = n_gradients * micro_batch
         return Use(
+            data=draw_value(st.sampled_from(data_kinds())),
             architecture=architecture,
             loss=draw_value(st.sampled_from(LOSSES[task])),
             optimizer=draw_value(st.sampled_from(optimizers)),
@@ -300,18 +315,28 @@ def run(use):
     large_batch = use.n_gradients * use.micro_batch
     start = _model(use, keras.Model).get_weights()
 
-    def fit(model, batch_size, order):
+    def fit(model, batch_size, order, data="arrays"):
         model.set_weights(start)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model.compile(optimizer=_optimizer(use), loss=_loss(use))
             keras.utils.set_random_seed(use.seed)
-            model.fit(x[order], y[order], batch_size=batch_size,
-                      sample_weight=(None if sample_weight is None
-                                     else sample_weight[order]),
-                      epochs=1, shuffle=False, verbose=0)
+            arrays = (x[order], y[order]) + (
+                () if sample_weight is None else (sample_weight[order],))
+            if data == "arrays":
+                model.fit(*arrays[:2], batch_size=batch_size,
+                          sample_weight=(arrays[2] if len(arrays) > 2
+                                         else None),
+                          epochs=1, shuffle=False, verbose=0)
+            else:
+                model.fit(_batches(arrays, batch_size, data), epochs=1,
+                          shuffle=False, verbose=0)
+        # The library's warnings point at the line that called it (here);
+        # Keras's own about the data (a generator that ran out) point
+        # into Keras.
         messages = [str(w.message) for w in caught
-                    if issubclass(w.category, UserWarning)]
+                    if issubclass(w.category, UserWarning)
+                    and not _inside_a_library(w.filename)]
         return model.get_weights(), messages
 
     in_order = np.arange(use.samples)
@@ -322,7 +347,7 @@ def run(use):
               else contextlib.nullcontext()):
             accumulated, messages = fit(
                 _model(use, AccumulatingModel, n_gradients=use.n_gradients),
-                use.micro_batch, in_order)
+                use.micro_batch, in_order, use.data)
     except ValueError as error:
         return Outcome(False, (), str(error), float("nan"), float("nan"))
     warned = tuple(dict.fromkeys(m for m in messages
@@ -349,6 +374,34 @@ def run(use):
         floor = max(floor, _max_difference(reordered, reference))
     return Outcome(difference <= FLOOR_FACTOR * floor, warned, "",
                    difference, floor)
+
+
+def _inside_a_library(filename):
+    return any(f"{os.sep}{name}{os.sep}" in filename
+               for name in ("keras", "tf_keras", "tensorflow", "jax"))
+
+
+def _batches(arrays, batch_size, data):
+    """The micro-batches of `arrays` as `data` hands them to `fit()`: a
+    Python generator (of unknown length), a `PyDataset` or a `tf.data`
+    dataset."""
+    starts = range(0, len(arrays[0]), batch_size)
+    if data == "generator":
+        return (tuple(a[i:i + batch_size] for a in arrays) for i in starts)
+    if data == "tf_data":
+        import tensorflow as tf
+
+        return tf.data.Dataset.from_tensor_slices(arrays).batch(batch_size)
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return len(starts)
+
+        def __getitem__(self, index):
+            return tuple(a[starts[index]:starts[index] + batch_size]
+                         for a in arrays)
+
+    return Batches()
 
 
 def _max_difference(weights_a, weights_b):
