@@ -361,12 +361,12 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
         left_open = self._accumulation.window_left_open()
         if left_open:
             warnings.warn(
-                f"fit() starts with a window left open by `train_on_batch` "
-                "or a loop driven by hand: its "
-                f"{messages.counted(left_open, 'micro-batch')} "
-                "make the first window of this fit() with the ones that "
-                "follow. Call `model.apply_open_window()` before fit() to "
-                "apply them as an update of their own.",
+                "fit() starts with a window left open by `train_on_batch` "
+                "or a loop driven by hand "
+                f"({messages.counted(left_open, 'micro-batch')} "
+                "accumulated): the first window of this fit() completes "
+                "it. Call `model.apply_open_window()` before fit() to "
+                "apply it as an update of its own.",
                 stacklevel=2,
             )
         self._check_ready_to_accumulate()

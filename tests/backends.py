@@ -13,6 +13,8 @@ Under Keras 2 (`TF_USE_LEGACY_KERAS=1` with tf_keras, or TensorFlow
 its Keras from `helpers.keras`, the Keras the model trains with.
 """
 
+import functools
+
 import keras
 import pytest
 
@@ -23,6 +25,33 @@ ON_TENSORFLOW = BACKEND == "tensorflow"
 ON_JAX = BACKEND == "jax"
 ON_TORCH = BACKEND == "torch"
 ON_KERAS_2 = KERAS_MAJOR == 2
+
+
+@functools.lru_cache(maxsize=None)
+def two_replicas_distribution():
+    """A distribution over two devices of this process, or a reason there
+    is none: a MirroredStrategy over the two logical CPUs on TensorFlow,
+    `keras.distribution.DataParallel` over two CPU devices on JAX.
+
+    One instance serves the whole process: with a second strategy, a later
+    test's collective ops failed with "Shape mismatch in the collective
+    instance" against an earlier one's gradient shapes.
+    """
+    if ON_TORCH:
+        return "Keras 3 has no data-parallel fit() on PyTorch"
+    if ON_JAX:
+        import jax
+
+        devices = jax.devices()
+        if len(devices) < 2:
+            return ("needs two JAX devices (XLA_FLAGS="
+                    "--xla_force_host_platform_device_count=2)")
+        return keras.distribution.DataParallel(devices=devices[:2])
+    import tensorflow as tf
+
+    if len(tf.config.list_logical_devices("CPU")) < 2:
+        return "needs two logical CPU devices (tests/conftest.py)"
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
 
 

@@ -103,25 +103,11 @@ def two_replicas():
     """Two replicas: a MirroredStrategy over the two logical CPU devices on
     TensorFlow, `keras.distribution.DataParallel` over two CPU devices on
     JAX; skipped on PyTorch. Build, compile and fit inside its `scope()`.
+    One instance serves the whole session (see
+    `backends.two_replicas_distribution`)."""
+    from backends import two_replicas_distribution
 
-    One instance serves the whole session: with a new strategy per test,
-    a later test's collective ops failed with "Shape mismatch in the
-    collective instance" against an earlier test's gradient shapes.
-    """
-    import keras
-
-    from backends import ON_TENSORFLOW
-
-    if keras.backend.backend() == "torch":
-        pytest.skip("Keras 3 has no data-parallel fit() on PyTorch")
-    if not ON_TENSORFLOW:
-        import jax
-
-        devices = jax.devices()
-        if len(devices) < 2:
-            pytest.skip("needs two JAX devices (XLA_FLAGS="
-                        "--xla_force_host_platform_device_count=2)")
-        return keras.distribution.DataParallel(devices=devices[:2])
-    import tensorflow as tf
-
-    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    distribution = two_replicas_distribution()
+    if isinstance(distribution, str):
+        pytest.skip(distribution)
+    return distribution

@@ -26,7 +26,6 @@ counts (the long mode; see CONTRIBUTING.md).
 
 import contextlib
 import dataclasses
-import functools
 import os
 import sys
 import warnings
@@ -178,27 +177,13 @@ def uses():
     return draw()
 
 
-@functools.lru_cache(maxsize=None)
 def two_replicas():
-    """A distribution over two devices of this process (one for the whole
-    process: collectives of a second MirroredStrategy met the first's
-    shapes), or None where there are not two (PyTorch has no data-parallel
-    fit(); TensorFlow splits its CPU in two only when told so before it
-    starts, as tests/conftest.py and the long mode do)."""
-    backend = keras.backend.backend()
-    if backend == "jax":
-        import jax
+    """The suite's distribution over two devices (one a process, see
+    `backends.two_replicas_distribution`), or None where there is none."""
+    from backends import two_replicas_distribution
 
-        devices = jax.devices()
-        return (keras.distribution.DataParallel(devices=devices[:2])
-                if len(devices) >= 2 else None)
-    if backend != "tensorflow":
-        return None
-    import tensorflow as tf
-
-    cpus = tf.config.list_logical_devices("CPU")
-    return (tf.distribute.MirroredStrategy([cpu.name for cpu in cpus[:2]])
-            if len(cpus) >= 2 else None)
+    distribution = two_replicas_distribution()
+    return None if isinstance(distribution, str) else distribution
 
 
 def _model(use, model_class, **kwargs):

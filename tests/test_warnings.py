@@ -269,7 +269,7 @@ def test_a_window_left_open_by_train_on_batch_is_named():
     messages = [m for m in _fit_messages(model, x, y)
                 if "left open" in m]
     assert len(messages) == 1
-    assert "1 micro-batches" in messages[0]
+    assert "(1 micro-batch accumulated)" in messages[0]
     assert "apply_open_window()" in messages[0]
 
 
