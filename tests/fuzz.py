@@ -157,8 +157,15 @@ def uses():
         # Each replica gets an equal share of every micro-batch.
         micro_batch = replicas * draw_value(st.integers(1, 6 // replicas))
         large = n_gradients * micro_batch
+        kinds = data_kinds()
+        if KERAS_MAJOR == 2 and n_gradients == 1:
+            # Windows of one are Keras 2's own step, which at the end of a
+            # Python generator counts an update without data (named in
+            # the README; test_keras2.py holds the window to the large
+            # batch there).
+            kinds = tuple(kind for kind in kinds if kind != "generator")
         return Use(
-            data=draw_value(st.sampled_from(data_kinds())),
+            data=draw_value(st.sampled_from(kinds)),
             architecture=architecture,
             loss=draw_value(st.sampled_from(LOSSES[task])),
             optimizer=draw_value(st.sampled_from(optimizers)),

@@ -541,3 +541,33 @@ def test_window_from_noise_scale_scales_a_legacy_schedule_as_the_large_batch(
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
     assert history["window_learning_rate"][0] == pytest.approx(
         2 * float(decaying()(start)), rel=1e-6)
+
+
+def test_data_of_unknown_length_gets_no_update_without_data():
+    # At the end of a Python generator, Keras 2 runs its train function once
+    # more without data: that run still counts an update and applies
+    # AdamW's decoupled weight decay (so plain Keras strays from its own
+    # large batch, 0.0066 here). The window applies nothing without data.
+    x, y = regression_data(samples=48)
+    make_optimizer = lambda: keras.optimizers.AdamW(0.05, weight_decay=0.1)
+
+    def batches(size):
+        return ((x[i:i + size], y[i:i + size]) for i in range(0, 48, size))
+
+    reference = mlp(keras.Model)
+    start = reference.get_weights()
+    reference.compile(optimizer=make_optimizer(), loss="mse")
+    strays = mlp(keras.Model)
+    strays.set_weights(start)
+    strays.compile(optimizer=make_optimizer(), loss="mse")
+    model = mlp(AccumulatingModel, n_gradients=2)
+    model.set_weights(start)
+    model.compile(optimizer=make_optimizer(), loss="mse")
+    for _ in range(2):  # epochs, each a fresh generator
+        reference.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+        strays.fit(batches(16), verbose=0)
+        model.fit(batches(8), verbose=0)
+    assert iterations(reference) == iterations(model) == 6
+    assert iterations(strays) == 8  # the plain stray this test guards
+    assert max_weight_difference(strays, reference) > 1e-3
+    assert max_weight_difference(model, reference) <= TOLERANCE
