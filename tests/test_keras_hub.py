@@ -336,6 +336,10 @@ def test_the_fine_tuning_example_is_token_exact_where_keras_option_is_not():
     result = subprocess.run([sys.executable, str(script)],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    # A newcomer reads results only: no start-up or tf.data notices (the
+    # "failed call to cuInit" of a machine without a GPU reads like one).
+    for notice in ("cuInit", "WARNING", "oneDNN", "prefetch_buffer_size"):
+        assert notice not in result.stdout + result.stderr, notice
     figures = [[float(v) for v in re.findall(
         r"^  (?:accumulating|Keras's|  the same|float32).*?(\S+)$", block,
         re.M)] for block in result.stdout.split("max |weight difference|")[1:]]
