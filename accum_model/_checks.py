@@ -7,7 +7,6 @@ activity penalty, which needs the prediction). The accumulating class in a
 model's MRO is found by `class_tree.accumulating_base`.
 """
 
-import difflib
 import math
 import warnings
 
@@ -16,6 +15,7 @@ import numpy as np
 from accum_model._chooser import adapter
 from accum_model.core import class_tree
 from accum_model.core.messages import names_in_brief
+from accum_model.core.messages import unexpected_keyword
 from accum_model.core.settings import window_lengths
 from accum_model.core.variables import flatten
 from accum_model.core.variables import is_overwritten_with_gradient
@@ -78,14 +78,9 @@ def check_keyword_arguments(model_class, kwargs, functional, own_arguments):
     if not unknown:
         return
     name = unknown[0]
-    close = difflib.get_close_matches(
-        name, sorted(set(own_arguments) | allowed), n=1
-    )
-    hint = f" Did you mean `{close[0]}`?" if close else ""
-    raise TypeError(
-        f"{model_class.__name__}() got an unexpected keyword argument "
-        f"{name!r}.{hint} Received: {name}={kwargs[name]!r}"
-    )
+    raise TypeError(unexpected_keyword(
+        model_class.__name__, name, kwargs[name],
+        set(own_arguments) | allowed))
 
 
 def check_float8_on_one_replica(model):

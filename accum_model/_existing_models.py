@@ -1,12 +1,12 @@
 """`accumulating(model)`: gradient accumulation for a model that exists."""
 
-import difflib
 import functools
 
 from accum_model import _model_classes
 from accum_model._chooser import adapter
 from accum_model._chooser import keras
 from accum_model.accumulating_model import AccumulatingModel
+from accum_model.core.messages import unexpected_keyword
 from accum_model.core.settings import Settings
 
 # One accumulating class per model class, made on first use.
@@ -93,12 +93,8 @@ def _refuse_arguments(unknown):
                         "micro-batches per update: an int >= 1 or a "
                         "schedule {epoch: n}")
     name = next(iter(unknown))
-    close = difflib.get_close_matches(name, taken, n=1)
-    hint = f" Did you mean `{close[0]}`?" if close else ""
-    raise TypeError(
-        f"accumulating() got an unexpected keyword argument {name!r}.{hint} "
-        f"It takes {', '.join(taken)}. Received: {name}={unknown[name]!r}"
-    )
+    raise TypeError(unexpected_keyword("accumulating", name, unknown[name],
+                                       taken, listed=True))
 
 
 def accumulating_class(cls):

@@ -393,8 +393,8 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
 
     def save(self, filepath, *args, **kwargs):
         open_steps = self._accumulation.open_micro_steps()
-        if open_steps and getattr(type(self), "_accum_model_loads_plain",
-                                  False):
+        loads_plain = getattr(type(self), "_accum_model_loads_plain", False)
+        if open_steps and loads_plain:
             warnings.warn(
                 "The file holds the open window ("
                 f"{messages.counted(open_steps, 'micro-batch')} accumulated "
@@ -407,7 +407,7 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
                 "Or call `model.apply_open_window()` before saving.",
                 stacklevel=2,
             )
-        elif getattr(type(self), "_accum_model_loads_plain", False):
+        elif loads_plain:
             self._accumulation.warn_once(
                 f"`load_model` gives this file back as a plain "
                 f"{type(self).__name__}, which does not accumulate: call "

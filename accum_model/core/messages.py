@@ -1,5 +1,6 @@
 """Warnings and error texts that more than one layer gives."""
 
+import difflib
 import sys
 
 
@@ -30,6 +31,16 @@ def names_in_brief(names, listing, shown=3):
         return str(names)
     return (f"{len(names)} ({', '.join(names[:shown])}, ...; {listing} "
             "lists them all)")
+
+
+def unexpected_keyword(function, name, value, known, listed=False):
+    """Says that `function` takes no keyword `name` (given `value`),
+    with the closest of the `known` names, and all of them if `listed`."""
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    hint = f" Did you mean `{close[0]}`?" if close else ""
+    takes = f" It takes {', '.join(known)}." if listed else ""
+    return (f"{function}() got an unexpected keyword argument {name!r}."
+            f"{hint}{takes} Received: {name}={value!r}")
 
 
 def counted(count, noun):
