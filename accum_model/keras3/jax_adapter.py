@@ -156,9 +156,9 @@ def accumulating_train_step(model, state, data):
         if "loss" in logs:
             # Until a window ends in the epoch the tracker is empty: the
             # logs read the open window's loss so far instead of 0.
-            so_far = window.loss_sum
-            if accumulation.divide_by_weight:
-                so_far = so_far / jnp.maximum(window.weight_sum, 1e-30)
+            so_far = arithmetic.window_loss(
+                window.loss_sum, window.weight_sum,
+                accumulation.divide_by_weight, KERAS_OPS)
             logs = {**logs, "loss": jnp.where(
                 _current(scope, model._loss_tracker.count) > 0,
                 logs["loss"], so_far)}
