@@ -118,7 +118,9 @@ class WindowCallback(keras.callbacks.Callback):
             )
         model._accumulation.start_epoch(steps, epoch)
         length = model._accumulation.window_length()
-        if steps and model.flush_each_epoch and steps < length:
+        # A window restored from a checkpoint may end in this epoch.
+        if (steps and model.flush_each_epoch and steps < length
+                and model._accumulation.open_micro_steps() + steps < length):
             model._accumulation.warn_once(
                 messages.windows_cut_by_epoch(steps, length))
         if not model.flush_each_epoch:

@@ -488,6 +488,38 @@ def test_an_epoch_shorter_than_a_window_is_named(n_gradients,
         assert iterations(model) == 2
 
 
+@pytest.mark.parametrize("epochs, named", [(1, False), (2, True)])
+def test_an_epoch_that_completes_a_restored_window_is_not_named(
+        epochs, named, tmp_path):
+    # Saved after 3 of 4 micro-batches; the resumed epoch's one micro-batch
+    # ends that window. A second epoch of one micro-batch is cut.
+    x, y = regression_data(samples=16)
+    file = weights_file(tmp_path, "mid")
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer="sgd", loss="mse")
+
+    class SaveAfterThree(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                # `self.model`: on JAX it holds the step's state.
+                self.model.save_weights(file)
+
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0,
+              callbacks=[SaveAfterThree()])
+    resumed = mlp(AccumulatingModel, n_gradients=4)
+    resumed.compile(optimizer="sgd", loss="mse")
+    resumed.optimizer.build(resumed.trainable_variables)
+    resumed.load_weights(file)
+    assert resumed._accumulation.open_micro_steps() == 3
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.fit(x[12:], y[12:], batch_size=4, epochs=epochs, verbose=0)
+    cut = [str(w.message) for w in caught if "fewer than a window" in
+           str(w.message)]
+    assert len(cut) == named
+    assert iterations(resumed) == epochs
+
+
 def test_a_model_that_loads_plain_says_so_when_saved(tmp_path):
     model = accumulating(keras.Sequential(
         [keras.Input((4,)), keras.layers.Dense(1)]), 2)
