@@ -474,6 +474,13 @@ def _run(use):
                 history = model.fit(*arrays[:2], batch_size=batch_size,
                                     sample_weight=arrays[2],
                                     class_weight=class_weight, **options)
+            elif data == "generator" and use.epochs > 1:
+                # A generator runs once: for several epochs it runs through
+                # the data once an epoch, and fit() is told the epoch's
+                # length, as one does with a generator that never ends.
+                history = model.fit(
+                    _batches(arrays, batch_size, data, use.epochs),
+                    steps_per_epoch=-(-len(order) // batch_size), **options)
             else:
                 history = model.fit(_batches(arrays, batch_size, data),
                                     **options)
@@ -613,10 +620,11 @@ def _inside_a_library(filename):
                for name in ("keras", "tf_keras", "tensorflow", "jax"))
 
 
-def _batches(arrays, batch_size, data):
+def _batches(arrays, batch_size, data, epochs=1):
     """The micro-batches of `arrays` (x, y and sample weights or None) as
-    `data` hands them to `fit()`: a Python generator (of unknown length), a
-    `PyDataset` or a `tf.data` dataset."""
+    `data` hands them to `fit()`: a Python generator (of unknown length; of
+    `epochs` passes through the data), a `PyDataset` or a `tf.data`
+    dataset."""
     arrays = tuple(part for part in arrays if part is not None)
     samples = len(arrays[1][0] if isinstance(arrays[1], list) else arrays[1])
     starts = range(0, samples, batch_size)
@@ -627,7 +635,7 @@ def _batches(arrays, batch_size, data):
                      for part in arrays)
 
     if data == "generator":
-        return (batch(start) for start in starts)
+        return (batch(start) for _ in range(epochs) for start in starts)
     if data == "tf_data":
         import tensorflow as tf
 
