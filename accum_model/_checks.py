@@ -14,6 +14,7 @@ import numpy as np
 
 from accum_model._chooser import adapter
 from accum_model.core import class_tree
+from accum_model.core import messages
 from accum_model.core.messages import names_in_brief
 from accum_model.core.messages import unexpected_keyword
 from accum_model.core.settings import window_lengths
@@ -604,6 +605,33 @@ def warn_if_layers_carry_state(model, warn):
         )
 
 
+def warn_if_float16_weights_have_several_uses(model, warn):
+    """Warns, under float16 loss scaling, about layers whose weights a step
+    uses more than once: shared layers (called more than once) and
+    recurrent layers (a weight a time step).
+
+    The window decides whether the large batch's float16 gradient of a
+    weight overflows from the weight's summed gradient; the large batch
+    overflows in the float16 part of each use, before the uses are added
+    in float32. The two agree for a weight used once.
+
+    Args:
+        model: The model about to train.
+        warn: Callable taking a message, warning once per model.
+    """
+    if not adapter.LossScaling(model.optimizer).active:
+        return
+    reused = sorted(
+        layer.name for layer in adapter.layers_of(model)
+        if layer is not model and layer.trainable
+        and layer.trainable_weights
+        and getattr(layer, "compute_dtype", None) == "float16"
+        and (isinstance(layer, adapter.keras.layers.RNN)
+             or len(getattr(layer, "_inbound_nodes", ())) > 1))
+    if reused:
+        warn(messages.float16_check_of_reused_weights(reused))
+
+
 def warn_if_accumulators_round_float64_weights(model, warn):
     """Warns when float64 weights have their gradients summed in a
     narrower `accumulator_dtype`: the window then equals the large batch
@@ -663,6 +691,7 @@ def check_ready_to_accumulate(model, requested_class):
     warn_if_activity_penalties_are_not_sums(model, warn)
     warn_if_layers_write_variables(model, warn)
     warn_if_layers_carry_state(model, warn)
+    warn_if_float16_weights_have_several_uses(model, warn)
     warn_if_accumulators_round_float64_weights(model, warn)
     warn_if_train_step_bypasses_window(type(model))
     return warn_if_loss_divisor_is_unknown(requested_class, warn)

@@ -56,8 +56,11 @@ from accum_model._chooser import keras
 
 FLOOR_FACTOR = 10.0
 # Under mixed precision, how many times the large batch's own distance from
-# float32 a use may land from it.
-PRECISION_FACTOR = 2.0
+# float32 a use may land from it. The micro-batches' gradients round to
+# bfloat16 apart and then add: an Embedding under SGD landed 2.04 and 2.2
+# times that distance away (keras 3.15.1 on torch); a skipped window, or a
+# gradient scaled twice, lands orders away.
+PRECISION_FACTOR = 4.0
 
 # Architectures: a builder of (inputs, outputs) and the task its output
 # serves ("regression": 3 real values; "classification": 4 logits).
@@ -144,10 +147,13 @@ class Outcome:
     floor: float
     loss_difference: float = 0.0
     loss_floor: float = 0.0
+    # Plain Keras's error on the large batch, or "": no reference.
+    plain_failed: str = ""
 
     @property
     def passes(self):
-        return self.exact or bool(self.warned) or bool(self.refused)
+        return (self.exact or bool(self.warned) or bool(self.refused)
+                or bool(self.plain_failed))
 
     @property
     def warned_but_exact(self):
@@ -198,6 +204,23 @@ def uses():
                    if name != "keras_file" or KERAS_MAJOR == 3]
         resume = (draw_value(st.sampled_from(resumes)) if micro_batches > 1
                   else "none")
+        precision = draw_value(st.sampled_from(PRECISIONS))
+        if precision == "mixed_bfloat16":
+            # A micro-batch's gradient leaves its backward pass rounded to
+            # bfloat16 before the window adds it in float32, where the
+            # large batch rounds the sum once: micro-batch gradients that
+            # cancel keep 2**-9 of their own size, and Adam's normalization
+            # turns that into steps of the learning rate (1.4e-2 where
+            # plain Keras lands 8e-4 from float32, two outputs under Adam,
+            # keras 3.15.1 on torch). Gradients that enter the update
+            # linearly keep it at rounding's size.
+            optimizers = _LINEAR_OPTIMIZERS
+        if resume != "none" and precision == "mixed_float16":
+            # Keras's LossScaleOptimizer saves no Nadam `_u_product`: plain
+            # Keras resumes Nadam with it at 1.0 on TensorFlow and PyTorch
+            # (keras 3.15.1; docs/exactness.md).
+            optimizers = tuple(name for name in optimizers
+                               if name != "nadam")
         kinds = data_kinds()
         if KERAS_MAJOR == 2 and n_gradients == 1:
             # Windows of one are Keras 2's own step, which at the end of a
@@ -222,7 +245,7 @@ def uses():
             samples=samples,
             seed=draw_value(st.integers(0, 2**16)),
             replicas=replicas,
-            precision=draw_value(st.sampled_from(PRECISIONS)),
+            precision=precision,
             schedule=draw_value(st.booleans()),
             ema=draw_value(st.booleans()),
             # A resumed run is one epoch, saved in it and trained to its end.
@@ -466,10 +489,14 @@ def _run(use):
             order = order[first:]
             arrays = (_rows(x, order), _rows(y, order),
                       _rows(sample_weight, order))
+            # Validation in one batch: fit() otherwise takes its batch size
+            # from the training batches', or 32 for a dataset, and a
+            # summed loss's mean over batches depends on it.
             options = dict(epochs=use.epochs, shuffle=False, verbose=0,
                            callbacks=list(callbacks),
                            validation_data=(validation if use.validation
-                                            else None))
+                                            else None),
+                           validation_batch_size=8)
             if data == "arrays":
                 history = model.fit(*arrays[:2], batch_size=batch_size,
                                     sample_weight=arrays[2],
@@ -493,8 +520,14 @@ def _run(use):
         return model.get_weights(), history.history, messages
 
     in_order = np.arange(use.samples)
-    reference, plain_record, plain_messages = fit(
-        _model(use, keras.Model), large_batch, in_order)
+    try:
+        reference, plain_record, plain_messages = fit(
+            _model(use, keras.Model), large_batch, in_order)
+    except Exception as error:  # noqa: BLE001 - Keras's own, any kind
+        # Nothing to compare with (Keras 3.15.1 on TensorFlow cannot add
+        # an activity penalty computed in float16 to its float32 loss).
+        return Outcome(False, (), "", float("nan"), float("nan"),
+                       plain_failed=f"{type(error).__name__}: {error}")
     try:
         with (two_replicas().scope() if use.replicas == 2
               else contextlib.nullcontext()):
@@ -546,8 +579,13 @@ def _run(use):
                                                 large_batch, in_order)
         floor = max(floor, PRECISION_FACTOR / FLOOR_FACTOR
                     * _max_difference(in_float32, reference))
+        # Keras 2 computes the loss itself in float16: the large batch's
+        # mean and the window's mean of micro-batch means round apart by
+        # up to one unit in the last place (0.00098 in 1.33 apart, with
+        # TensorFlow 2.21's tf-keras).
         loss_floor = max(loss_floor, PRECISION_FACTOR / FLOOR_FACTOR
-                         * _loss_difference(float32_record, plain_record))
+                         * _loss_difference(float32_record, plain_record),
+                         _LAST_PLACE[use.precision] / FLOOR_FACTOR)
         exact = (difference <= FLOOR_FACTOR * floor
                  and loss_difference <= FLOOR_FACTOR * loss_floor)
     return Outcome(exact, warned, "", difference, floor, loss_difference,
@@ -556,6 +594,8 @@ def _run(use):
 
 # Two float32 means of the same losses summed in other groupings.
 _LOSS_RELATIVE_FLOOR = 1e-6
+# One unit in the last place, relative, of a number in [1, 2).
+_LAST_PLACE = {"mixed_float16": 2.0**-10, "mixed_bfloat16": 2.0**-7}
 
 
 def _loss_difference(record, reference_record):
@@ -683,7 +723,8 @@ def _long_run(count, first_seed=None):
     from hypothesis import HealthCheck, given, seed, settings
 
     counts = {"uses": 0, "exact": 0, "warned": 0, "warned but exact": 0,
-              "refused": 0, "quiet differences": 0}
+              "refused": 0, "plain Keras failed": 0, "errors": 0,
+              "quiet differences": 0}
     failures = []
     noise = {}
 
@@ -693,7 +734,14 @@ def _long_run(count, first_seed=None):
     @seed(first_seed or 0)
     @given(use=uses())
     def one(use):
-        outcome = run(use)
+        try:
+            outcome = run(use)
+        except Exception as error:  # noqa: BLE001 - reported, run goes on
+            counts["uses"] += 1
+            counts["errors"] += 1
+            failures.append(f"{type(error).__name__}: {error}\n{use!r}")
+            print(counts["uses"], "error", use, failures[-1], flush=True)
+            return
         counts["uses"] += 1
         counts["exact"] += outcome.exact
         counts["warned"] += bool(outcome.warned)
@@ -702,12 +750,14 @@ def _long_run(count, first_seed=None):
             for message in outcome.warned:
                 noise[message[:120]] = noise.get(message[:120], 0) + 1
         counts["refused"] += bool(outcome.refused)
+        counts["plain Keras failed"] += bool(outcome.plain_failed)
         if not outcome.passes:
             counts["quiet differences"] += 1
             failures.append(reproduction(use, outcome))
             print(failures[-1], flush=True)
         # One line a use, so that a run cut short still says what it did.
         print(counts["uses"], "quiet difference" if not outcome.passes
+              else "plain Keras failed" if outcome.plain_failed
               else "refused" if outcome.refused else "warned but exact"
               if outcome.warned_but_exact else "warned" if outcome.warned
               else "exact", use, flush=True)

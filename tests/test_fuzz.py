@@ -17,7 +17,7 @@ hypothesis = pytest.importorskip("hypothesis")
 
 pytestmark = keras_2_too
 
-USES = int(os.environ.get("ACCUM_FUZZ_USES", "12"))
+USES = int(os.environ.get("ACCUM_FUZZ_USES", "10"))
 
 
 @hypothesis.settings(max_examples=USES, deadline=None, database=None,
@@ -29,4 +29,6 @@ def test_each_generated_use_is_exact_or_warned(use):
     hypothesis.event("exact" if outcome.exact else "not exact")
     if outcome.warned_but_exact:
         hypothesis.event("warned but exact")
+    if outcome.plain_failed:
+        hypothesis.event("plain Keras failed")
     assert outcome.passes, fuzz.reproduction(use, outcome)

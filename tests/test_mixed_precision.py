@@ -2,6 +2,7 @@
 
 import contextlib
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -593,3 +594,59 @@ def test_summed_loss_overflows_where_the_large_batch_does(reduction):
         2.0**13 if reduction == "sum" else 2.0**15)
     assert iterations(model) == iterations(plain)
     assert max_weight_difference(plain, model) <= 1e-6
+
+
+def _shared_dense(model_class, shared_dtype=None, **kwargs):
+    """Dense, then one Dense called twice (its weights used twice in a
+    step), then Dense: the fuzzer's `two_dense_shared`."""
+    keras.utils.set_random_seed(10)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+    shared = keras.layers.Dense(16, activation="tanh", dtype=shared_dtype,
+                                name="shared")
+    outputs = keras.layers.Dense(3)(shared(shared(hidden)))
+    return model_class(inputs=inputs, outputs=outputs, **kwargs)
+
+
+def _float16_messages(model, x, y, sample_weight, batch_size):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, sample_weight=sample_weight, batch_size=batch_size,
+                  epochs=1, shuffle=False, verbose=0)
+    return [str(w.message) for w in caught
+            if "more than once in a step" in str(w.message)]
+
+
+@pytest.mark.parametrize("policy, shared_dtype, named", [
+    ("mixed_float16", None, True),
+    ("mixed_float16", "float32", False),
+    ("mixed_bfloat16", None, False)])
+def test_weights_used_twice_under_float16_loss_scaling_are_named(
+        policy, shared_dtype, named):
+    # Two samples in micro-batches of one: the shared kernel's summed
+    # gradient passes float16's range times the loss scale, and the window
+    # was skipped where the large batch, whose two uses each fit, was not
+    # (0.1 apart, keras 3.15.1 on torch).
+    rng = np.random.default_rng(10)
+    x = rng.normal(size=(2, 6)).astype("float32")
+    y = rng.normal(size=(2, 3)).astype("float32")
+    sample_weight = rng.uniform(0.5, 2.0, 2).astype("float32")
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        plain = _shared_dense(keras.Model, shared_dtype)
+        plain.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        plain.fit(x, y, sample_weight=sample_weight, batch_size=2,
+                  epochs=1, shuffle=False, verbose=0)
+        model = _shared_dense(AccumulatingModel, shared_dtype,
+                              n_gradients=2)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        said = _float16_messages(model, x, y, sample_weight, 1)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert len(said) == named
+    if named:
+        assert "['shared']" in said[0] and "dtype='float32'" in said[0]
+    else:
+        # What the warning offers is exact: the large batch's update.
+        assert iterations(model) == iterations(plain) == 1
+        assert max_weight_difference(model, plain) <= 1e-3

@@ -76,3 +76,21 @@ def windows_cut_by_epoch(epoch_steps, window_length):
         "micro-batches (a smaller batch_size or more steps_per_epoch), or "
         "set flush_each_epoch=False to let windows run across epochs."
     )
+
+
+def float16_check_of_reused_weights(layer_names):
+    """Says that layers using their weights more than once in a step may
+    see a window skipped (or applied) unlike the large batch under float16
+    loss scaling, and what is exact."""
+    return (
+        f"Layers {layer_names} use their weights more than once in a step "
+        "(a shared or recurrent layer) and compute in float16 under loss "
+        "scaling. The window tells whether the large batch's float16 "
+        "gradient overflows from the sum of a weight's gradients over its "
+        "uses, while the large batch overflows in each use's own float16 "
+        "part: a window near float16's range may be skipped where the "
+        "large batch is not, or the reverse, and the two then part. To "
+        "follow the large batch's skips exactly, give these layers "
+        "dtype='float32', or train under 'mixed_bfloat16' (no loss "
+        "scaling)."
+    )
