@@ -204,7 +204,12 @@ def uses():
                    if name != "keras_file" or KERAS_MAJOR == 3]
         resume = (draw_value(st.sampled_from(resumes)) if micro_batches > 1
                   else "none")
-        precision = draw_value(st.sampled_from(PRECISIONS))
+        precisions = PRECISIONS
+        if architecture == "attention" and keras.backend.backend() == "jax":
+            # "The precision 'F16_F16_F32' is not supported by dot_general
+            # on CPU" (jax 0.10.2), plain Keras as well.
+            precisions = ("float32", "mixed_bfloat16")
+        precision = draw_value(st.sampled_from(precisions))
         if precision == "mixed_bfloat16":
             # A micro-batch's gradient leaves its backward pass rounded to
             # bfloat16 before the window adds it in float32, where the
@@ -528,17 +533,18 @@ def _run(use):
         # an activity penalty computed in float16 to its float32 loss).
         return Outcome(False, (), "", float("nan"), float("nan"),
                        plain_failed=f"{type(error).__name__}: {error}")
-    try:
+    def accumulate(**settings):
         with (two_replicas().scope() if use.replicas == 2
               else contextlib.nullcontext()):
             accumulating = _model(use, AccumulatingModel,
-                                  n_gradients=use.n_gradients)
+                                  n_gradients=use.n_gradients, **settings)
             if use.resume == "none":
-                accumulated, record, messages = fit(
-                    accumulating, use.micro_batch, in_order, use.data)
-            else:
-                accumulated, record, messages = _interrupted_and_resumed(
-                    use, accumulating, compiled, fit, in_order)
+                return fit(accumulating, use.micro_batch, in_order, use.data)
+            return _interrupted_and_resumed(use, accumulating, compiled, fit,
+                                            in_order, **settings)
+
+    try:
+        accumulated, record, messages = accumulate()
     except ValueError as error:
         return Outcome(False, (), str(error), float("nan"), float("nan"))
     warned = tuple(dict.fromkeys(m for m in messages
@@ -588,8 +594,46 @@ def _run(use):
                          _LAST_PLACE[use.precision] / FLOOR_FACTOR)
         exact = (difference <= FLOOR_FACTOR * floor
                  and loss_difference <= FLOOR_FACTOR * loss_floor)
+    if (not exact and use.precision == "float32"
+            and difference <= _ROUNDING_SIZED):
+        # Where a gradient nearly cancels, the window's sum of micro-batch
+        # sums keeps float32's rounding of each, while plain Keras's large
+        # batch sums in one reduction that no reordering moves, and Adam's
+        # normalization makes either rounding a step (1.2e-5 against a
+        # reordered floor of 6.5e-8: AdamW, MAE, 16 samples, keras 3.15.1
+        # on JAX). In float64 both are the same training to 1e-9, or the
+        # window's arithmetic is wrong.
+        with _precision(dataclasses.replace(use, precision="float64")), \
+                _float64_numbers():
+            in_float64 = fit(_model(use, keras.Model), large_batch,
+                             in_order)[0]
+            accumulated_in_float64 = accumulate(accumulator_dtype="float64")[0]
+        exact = (_max_difference(accumulated_in_float64, in_float64)
+                 <= _FLOAT64_AGREEMENT * max(1.0, largest))
     return Outcome(exact, warned, "", difference, floor, loss_difference,
                    loss_floor)
+
+
+@contextlib.contextmanager
+def _float64_numbers():
+    """Where JAX computes in float32 unless told (its 64-bit mode)."""
+    if keras.backend.backend() != "jax":
+        yield
+        return
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
+# A float32 difference the float64 check may explain as rounding; a
+# micro-batch left out, or weighed wrong, lands further.
+_ROUNDING_SIZED = 1e-4
+# How far the float64 trainings may land apart.
+_FLOAT64_AGREEMENT = 1e-9
 
 
 # Two float32 means of the same losses summed in other groupings.
@@ -619,7 +663,8 @@ class _AfterMicroBatch(keras.callbacks.Callback):
             self.save(self.model)
 
 
-def _interrupted_and_resumed(use, accumulating, compiled, fit, in_order):
+def _interrupted_and_resumed(use, accumulating, compiled, fit, in_order,
+                             **settings):
     """Trains the epoch saving after `use.resume_after` micro-batches, then
     a model loaded from that file on the micro-batches after them."""
     import tempfile
@@ -642,7 +687,8 @@ def _interrupted_and_resumed(use, accumulating, compiled, fit, in_order):
                     file, custom_objects=_CUSTOM_OBJECTS)
             else:
                 resumed = compiled(_model(use, AccumulatingModel,
-                                          n_gradients=use.n_gradients))
+                                          n_gradients=use.n_gradients,
+                                          **settings))
                 # Keras loads optimizer variables only into a built
                 # optimizer.
                 resumed.optimizer.build(resumed.trainable_variables)
