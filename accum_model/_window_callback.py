@@ -7,6 +7,7 @@ from accum_model._checks import samples_in
 from accum_model._chooser import adapter
 from accum_model._chooser import keras
 from accum_model.core import messages
+from accum_model.core.micro_step import SKIPPED_WINDOWS
 from accum_model.core.settings import Settings
 from accum_model.window_from_noise_scale import WindowFromNoiseScale
 
@@ -202,8 +203,8 @@ class WindowCallback(keras.callbacks.Callback):
                                else noise_scale)
 
     def on_train_batch_end(self, batch, logs=None):
-        if logs is not None and "skipped_windows" in logs:
-            logs["skipped_windows"] = WholeCount(logs["skipped_windows"])
+        if logs is not None and SKIPPED_WINDOWS in logs:
+            logs[SKIPPED_WINDOWS] = WholeCount(logs[SKIPPED_WINDOWS])
         if (logs is not None and "loss" in logs
                 and not self._window_ended_in_epoch
                 and not adapter.STEP_LOGS_LOSS_BEFORE_A_WINDOW_ENDS
@@ -225,8 +226,8 @@ class WindowCallback(keras.callbacks.Callback):
 
     def log_skipped_windows(self, logs):
         model = self.accumulating_model
-        if logs is not None and "skipped_windows" in logs:
-            logs["skipped_windows"] = WholeCount(model.skipped_windows)
+        if logs is not None and SKIPPED_WINDOWS in logs:
+            logs[SKIPPED_WINDOWS] = WholeCount(model.skipped_windows)
 
 
 def _micro_batch_size(arguments):
@@ -260,7 +261,7 @@ def _window_sizers_first(model, callbacks, batch_size):
 
 
 # Log entries that are counts: shown as they stand, never averaged.
-COUNTS = ("skipped_windows",)
+COUNTS = (SKIPPED_WINDOWS,)
 
 
 def _progress_bar_averages():

@@ -56,6 +56,7 @@ from keras.src.backend.jax import random as jax_random
 from accum_model.core import arithmetic
 from accum_model.core import class_tree
 from accum_model.core import divisor
+from accum_model.core import micro_step
 from accum_model.core.window import WindowState
 from accum_model.keras3 import losses
 from accum_model.keras3 import stateless_window
@@ -74,8 +75,6 @@ def accumulating_train_step(model, state, data):
     optimizer_values = list(optimizer_and_window[:-1])
     window = optimizer_and_window[-1]
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    default_weight = class_tree.has_default_micro_batch_weight(
-        type(model))
     accumulation._traced_window = window
 
     def optimizer_values_in_scope():
@@ -114,10 +113,8 @@ def accumulating_train_step(model, state, data):
             jnp.float32)
         if layer_losses:
             model._losses_override.clear()
-        # Losses reduced with "sum" divide by nothing: nor does the window.
-        accumulation.divide_by_weight = not (
-            default_weight and not accumulation.weight_from_batch_size
-            and divisor.is_summed(reductions))
+        accumulation.divide_by_weight = micro_step.divides_by_weight(
+            type(model), accumulation.weight_from_batch_size, reductions)
         with optimizer_values_in_scope():
             scaled_loss = model.get_scaled_loss(loss)
         return scaled_loss, (
@@ -165,10 +162,9 @@ def accumulating_train_step(model, state, data):
     metrics_values = [
         _current(scope, variable) for variable in model.metrics_variables]
     accumulation._traced_window = None
-    if (accumulation.settings.may_overflow
-            or accumulation.loss_scaling.active):
-        # An overflow must never pass silently: show the count.
-        logs = {**logs, "skipped_windows": window.skipped_windows}
+    if micro_step.shows_skipped_windows(accumulation.loss_scaling.active,
+                                        accumulation.settings.may_overflow):
+        logs = micro_step.with_skipped_windows(logs, window.skipped_windows)
     enforce = getattr(model, "_enforce_jax_state_sharding", None)
     if enforce is not None and accumulation.window_sharding is not None:
         # keras before 3.11 (checked on 3.10.0) jits the step without

@@ -43,6 +43,7 @@ from keras import ops
 
 from accum_model.core import class_tree
 from accum_model.core import divisor
+from accum_model.core import micro_step
 from accum_model.core.update_signal import UpdateSignal
 from accum_model.keras3 import losses
 from accum_model.keras3 import stateless_window
@@ -291,8 +292,6 @@ def accumulating_train_step(model, data):
     accumulation = model._accumulation
     window = accumulation.window
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    default_weight = class_tree.has_default_micro_batch_weight(
-        type(model))
     statistics = accumulation.statistics
     accumulation._traced_window = window.state
     with statistics.recording(
@@ -317,10 +316,8 @@ def accumulating_train_step(model, data):
         model, y_pred, losses.get_keras_mask, KERAS_SHAPES)
     weight = ops.cast(model.micro_batch_weight(x, y, y_pred, sample_weight),
                       "float32")
-    # Losses reduced with "sum" divide by nothing: nor does the window.
-    accumulation.divide_by_weight = not (
-        default_weight and not accumulation.weight_from_batch_size
-        and divisor.is_summed(reductions))
+    accumulation.divide_by_weight = micro_step.divides_by_weight(
+        type(model), accumulation.weight_from_batch_size, reductions)
     accumulation.tracks_loss = True
     variables = window.trainable_variables
     weight = ops.stop_gradient(weight)
@@ -345,10 +342,10 @@ def accumulating_train_step(model, data):
         model._loss_tracker.update_state(window_loss,
                                          sample_weight=window_samples)
     logs = model.compute_metrics(x, y, y_pred, sample_weight)
-    if (accumulation.settings.may_overflow
-            or accumulation.loss_scaling.active):
-        # An overflow must never pass silently: show the count.
-        logs = {**logs, "skipped_windows": window.state.skipped_windows}
+    if micro_step.shows_skipped_windows(accumulation.loss_scaling.active,
+                                        accumulation.settings.may_overflow):
+        logs = micro_step.with_skipped_windows(
+            logs, window.state.skipped_windows)
     return logs
 
 

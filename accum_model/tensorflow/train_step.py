@@ -12,8 +12,8 @@ comes in as `details`, each Keras's adapter (`unpack_x_y_sample_weight`,
 
 import tensorflow as tf
 
-from accum_model.core import class_tree
 from accum_model.core import divisor
+from accum_model.core import micro_step
 from accum_model.tensorflow.ops import TF_SHAPES
 
 
@@ -52,16 +52,9 @@ def train_step(model, data, details):
             model.trainable_variables, model.distribute_strategy,
             [record.call for record in statistics],
         )
-        # Losses reduced with "sum" divide by nothing: nor does their
-        # window, and each micro-batch's scaled loss is the large batch's
-        # share (decided here for the default weight; an override's weight
-        # always divides).
-        summed = (
-            class_tree.has_default_micro_batch_weight(type(model))
-            and not accumulation.weight_from_batch_size
-            and divisor.is_summed(reductions)
-        )
-        accumulation.window.divide_by_weight = not summed
+        divide_by_weight = micro_step.divides_by_weight(
+            type(model), accumulation.weight_from_batch_size, reductions)
+        accumulation.window.divide_by_weight = divide_by_weight
         scaled_loss = model.get_scaled_loss(loss)
     window = accumulation.window
     gradients = tape.gradient(scaled_loss, window.trainable_variables)
@@ -78,12 +71,12 @@ def train_step(model, data, details):
         model, y_pred, details.get_keras_mask, TF_SHAPES)
     # The loss in logs is the window's, logged once when it ends.
     accumulation.add_micro_batch(gradients, weight, batch_size,
-                                 divide_by_weight=not summed, loss=loss,
+                                 divide_by_weight=divide_by_weight, loss=loss,
                                  statistics=statistics)
     logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
     if accumulation.window_end.checks_finite:
-        # An overflow must never pass silently: show the count.
-        logs = {**logs, "skipped_windows": window.skipped_windows.value()}
+        logs = micro_step.with_skipped_windows(
+            logs, window.skipped_windows.value())
     return details.logs_for_reduction(logs, model.distribute_strategy)
 
 

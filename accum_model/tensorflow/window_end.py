@@ -11,6 +11,7 @@ import functools
 
 import tensorflow as tf
 
+from accum_model.core import micro_step
 from accum_model.core import window as core_window
 from accum_model.tensorflow import replicas
 from accum_model.tensorflow.ops import TF_OPS
@@ -40,7 +41,8 @@ class WindowEnd:
         self.loss_scaling = loss_scaling
         self.strategy = window.strategy
         self.run_eagerly = run_eagerly
-        self.checks_finite = loss_scaling.active or accumulators_may_overflow
+        self.checks_finite = micro_step.shows_skipped_windows(
+            loss_scaling.active, accumulators_may_overflow)
         self.report_loss = report_loss
         self.float16_gradients = float16_gradients
         self._apply_open_functions = {}

@@ -1,5 +1,6 @@
 """The texts several layers give (`core.messages`), on plain Python: counts
-in the singular and plural, the epoch-shorter-than-a-window warning and the
+in the singular and plural, the epoch-shorter-than-a-window warning, the
+float16 warning for weights used twice and the
 unexpected-keyword refusal."""
 
 from accum_model.core import messages
@@ -29,3 +30,11 @@ def test_an_unexpected_keyword_names_the_closest_known_one():
                     "n_gradients, flush_each_epoch. Received: n_gradient=4")
     assert "Did you mean" not in messages.unexpected_keyword(
         "Net", "colour", 1, known)
+
+
+def test_weights_used_twice_under_loss_scaling_are_named_with_what_is_exact():
+    text = messages.float16_check_of_reused_weights(["shared", "gru"])
+    assert text.startswith("Layers ['shared', 'gru'] use their weights more "
+                           "than once in a step")
+    for exact in ("dtype='float32'", "'mixed_bfloat16'"):
+        assert exact in text
