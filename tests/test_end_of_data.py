@@ -189,3 +189,20 @@ def test_micro_batch_of_padding_alone_adds_nothing(replicas, policy,
     assert all(np.isfinite(w).all() for w in model.get_weights())
     tolerance = 1e-6 if policy == "float32" else 1e-3
     assert max_weight_difference(plain, model) <= tolerance
+
+
+@tensorflow_only("the traced function that applies an open window")
+def test_the_open_window_is_applied_by_a_trace_without_autograph():
+    # After some hundred models in one process (the fuzzer, then the mixed
+    # precision tests, under tf-keras 2.21 and Keras 3 on TensorFlow),
+    # AutoGraph's conversion of this function returned a `tf.function`
+    # from its trace and `apply_open_window()` raised a TypeError. Its
+    # branches are `tf.cond`s already: it needs no conversion.
+    x, y = regression_data(samples=16)
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x[:8], y[:8], batch_size=4, epochs=1, verbose=0,
+              steps_per_epoch=2)
+    function = model._accumulation.window_end._make_apply_open()
+    assert isinstance(function, tf.types.experimental.PolymorphicFunction)
+    assert function._autograph is False

@@ -227,11 +227,15 @@ class WindowEnd:
     def _make_apply_open(self):
         # A partial, unlike a closure, has no code object of its own, so
         # TensorFlow counts each model's traces apart and does not warn of
-        # retracing when many models are trained in one process.
+        # retracing when many models are trained in one process. Its body
+        # takes its branches with `tf.cond` itself: without AutoGraph,
+        # whose conversion of the partial, after some hundred models in
+        # one process, returned a `tf.function` from the trace (a
+        # TypeError; TensorFlow 2.21, Keras 3 and tf-keras).
         apply_open_window = functools.partial(_apply_open_window, self)
         if self.run_eagerly:
             return apply_open_window
-        return tf.function(apply_open_window)
+        return tf.function(apply_open_window, autograph=False)
 
 
 def _apply_open_window(window_end):
