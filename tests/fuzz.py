@@ -53,6 +53,7 @@ from accum_model import AccumulatingModel
 from accum_model._chooser import KERAS_MAJOR
 from accum_model._chooser import adapter
 from accum_model._chooser import keras
+from helpers import AfterMicroBatch
 
 FLOOR_FACTOR = 10.0
 # Under mixed precision, how many times the large batch's own distance from
@@ -667,16 +668,6 @@ def _loss_difference(record, reference_record):
                default=0.0)
 
 
-class _AfterMicroBatch(keras.callbacks.Callback):
-    def __init__(self, count, save):
-        super().__init__()
-        self.count, self.save = count, save
-
-    def on_train_batch_end(self, batch, logs=None):
-        if batch + 1 == self.count:
-            self.save(self.model)
-
-
 def _interrupted_and_resumed(use, accumulating, compiled, fit, in_order,
                              **settings):
     """Trains the epoch saving after `use.resume_after` micro-batches, then
@@ -686,11 +677,11 @@ def _interrupted_and_resumed(use, accumulating, compiled, fit, in_order,
     with tempfile.TemporaryDirectory() as directory:
         if use.resume == "keras_file":
             file = os.path.join(directory, "mid.keras")
-            save = _AfterMicroBatch(use.resume_after, lambda m: m.save(file))
+            save = AfterMicroBatch(use.resume_after, lambda m: m.save(file))
         else:
             file = os.path.join(directory, "mid.weights.h5"
                                 if KERAS_MAJOR == 3 else "mid")
-            save = _AfterMicroBatch(use.resume_after,
+            save = AfterMicroBatch(use.resume_after,
                                     lambda m: m.save_weights(file))
         *_, messages = fit(accumulating, use.micro_batch, in_order,
                            callbacks=[save])

@@ -254,3 +254,16 @@ class ScaledFrom(keras.optimizers.schedules.LearningRateSchedule):
             where, cast = keras.ops.where, keras.ops.cast
         return self.schedule(step) * where(
             cast(step, "float32") >= self.start, self.factor, 1.0)
+
+
+class AfterMicroBatch(keras.callbacks.Callback):
+    """Calls `save(model)` after micro-batch `count` of the first epoch
+    (through `self.model`, which on JAX holds the step's state)."""
+
+    def __init__(self, count, save):
+        super().__init__()
+        self.count, self.save = count, save
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch + 1 == self.count:
+            self.save(self.model)

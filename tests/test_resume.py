@@ -19,6 +19,7 @@ from backends import keras_2_too
 from backends import keras_3_only
 from backends import not_on_jax
 from backends import tensorflow_only
+from helpers import AfterMicroBatch
 from helpers import iterations, keras, max_weight_difference, mlp
 from helpers import regression_data
 from helpers import weights_file
@@ -46,18 +47,6 @@ def compiled(optimizer, model_class=AccumulatingModel, **kwargs):
     model = mlp(model_class, n_gradients=N_GRADIENTS, **kwargs)
     model.compile(optimizer=make_optimizer(optimizer), loss="mse")
     return model
-
-
-class _AfterMicroBatch(keras.callbacks.Callback):
-    """Calls `save(model)` after micro-batch `count` of the first epoch."""
-
-    def __init__(self, count, save):
-        super().__init__()
-        self.count, self.save = count, save
-
-    def on_train_batch_end(self, batch, logs=None):
-        if batch + 1 == self.count:
-            self.save(self.model)
 
 
 def _data():
@@ -93,12 +82,12 @@ def _save_and_load(how, path, optimizer, **kwargs):
     a model compiled with `optimizer` and `kwargs`)."""
     if how == "keras_file":
         file = str(path / "mid.keras")
-        save = _AfterMicroBatch(SAVED_AFTER, lambda m: m.save(file))
+        save = AfterMicroBatch(SAVED_AFTER, lambda m: m.save(file))
         return save, lambda: keras.models.load_model(file)
     if how in ("weights_file", "model_checkpoint_weights"):
         file = weights_file(path, "mid")
         if how == "weights_file":
-            save = _AfterMicroBatch(SAVED_AFTER, lambda m: m.save_weights(file))
+            save = AfterMicroBatch(SAVED_AFTER, lambda m: m.save_weights(file))
         else:
             save = keras.callbacks.ModelCheckpoint(
                 file, save_weights_only=True, save_freq=SAVED_AFTER
@@ -131,7 +120,7 @@ def _save_and_load(how, path, optimizer, **kwargs):
             checkpoint.restore(tf.train.latest_checkpoint(directory))
             return model
 
-        return _AfterMicroBatch(SAVED_AFTER, save_checkpoint), load
+        return AfterMicroBatch(SAVED_AFTER, save_checkpoint), load
     raise ValueError(how)
 
 
@@ -180,7 +169,7 @@ def test_window_restored_before_it_is_built_waits_for_it(tmp_path):
     # optimizer, not yet built, with a warning: plain SGD keeps none.)
     file = weights_file(tmp_path, "mid")
     _first_run_saving(
-        "sgd", _AfterMicroBatch(SAVED_AFTER, lambda m: m.save_weights(file))
+        "sgd", AfterMicroBatch(SAVED_AFTER, lambda m: m.save_weights(file))
     )
     resumed = mlp(AccumulatingModel, n_gradients=N_GRADIENTS)
     resumed.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
@@ -200,7 +189,7 @@ def test_window_restored_before_it_is_built_waits_for_it(tmp_path):
 def test_weights_saved_mid_window_load_into_a_plain_model(tmp_path):
     file = weights_file(tmp_path, "mid")
     trained = _first_run_saving(
-        "adam", _AfterMicroBatch(SAVED_AFTER, lambda m: m.save_weights(file))
+        "adam", AfterMicroBatch(SAVED_AFTER, lambda m: m.save_weights(file))
     )
     trained.save_weights(file)  # after the epoch: window flushed, still kept
     plain = mlp(keras.Model)
@@ -226,7 +215,7 @@ def test_file_without_a_window_empties_the_open_window(tmp_path):
 def test_window_of_other_weights_is_refused_by_name(tmp_path):
     file = weights_file(tmp_path, "mid")
     _first_run_saving(
-        "sgd", _AfterMicroBatch(SAVED_AFTER, lambda m: m.save_weights(file))
+        "sgd", AfterMicroBatch(SAVED_AFTER, lambda m: m.save_weights(file))
     )
     # Frozen before compiling: Keras 2 reads `trainable` as it compiles.
     model = mlp(AccumulatingModel, n_gradients=N_GRADIENTS)
@@ -304,7 +293,7 @@ def test_resume_under_two_replicas_is_exact(two_replicas, tmp_path):
     interrupted = compiled_under_strategy()
     with two_replicas.scope():
         interrupted.fit(x, y, batch_size=batch, shuffle=False, verbose=0,
-                        callbacks=[_AfterMicroBatch(saved_after, save)])
+                        callbacks=[AfterMicroBatch(saved_after, save)])
 
     rest = slice(saved_after * batch, None)
     loads = ("weights_file", "tf_checkpoint") if ON_TENSORFLOW else (
@@ -347,7 +336,7 @@ def test_mixed_precision_resumes_the_loss_scale_and_an_overflowed_window(
     file = weights_file(tmp_path, "mid")
     interrupted = fresh()
     interrupted.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0,
-                    callbacks=[_AfterMicroBatch(SAVED_AFTER,
+                    callbacks=[AfterMicroBatch(SAVED_AFTER,
                                                 lambda m: m.save_weights(file))])
     resumed = fresh()
     resumed.optimizer.build(resumed.trainable_variables)
@@ -426,7 +415,7 @@ def test_window_loaded_into_another_n_gradients_ends_then_takes_the_new(
     # Saved with 2 of 4 micro-batches open; loaded into a model with
     # n_gradients=2: the open window still ends at 4, then windows of 2.
     file = weights_file(tmp_path, "mid")
-    _first_run_saving("sgd", _AfterMicroBatch(
+    _first_run_saving("sgd", AfterMicroBatch(
         SAVED_AFTER, lambda m: m.save_weights(file)))
     model = mlp(AccumulatingModel, n_gradients=2)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
@@ -464,7 +453,7 @@ def test_a_sequential_saved_mid_window_says_how_to_get_its_window_back(
     interrupted = _accumulating_sequential()
     with pytest.warns(UserWarning, match="load_weights") as caught:
         interrupted.fit(x, y, batch_size=MICRO_BATCH, shuffle=False,
-                        verbose=0, callbacks=[_AfterMicroBatch(
+                        verbose=0, callbacks=[AfterMicroBatch(
                             SAVED_AFTER, lambda m: m.save(file))])
     named = [str(w.message) for w in caught
              if "load_weights" in str(w.message)]
@@ -485,7 +474,7 @@ def test_a_functional_model_saved_mid_window_is_quiet(tmp_path):
     file = str(tmp_path / "mid.keras")
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        _first_run_saving("adam", _AfterMicroBatch(
+        _first_run_saving("adam", AfterMicroBatch(
             SAVED_AFTER, lambda m: m.save(file)))
 
 

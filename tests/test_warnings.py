@@ -12,6 +12,7 @@ from accum_model import accumulating
 from accum_model._chooser import adapter
 from backends import ON_TORCH
 from backends import keras_2_too
+from helpers import AfterMicroBatch
 from helpers import fit_both
 from helpers import iterations
 from helpers import keras
@@ -497,15 +498,8 @@ def test_an_epoch_that_completes_a_restored_window_is_not_named(
     file = weights_file(tmp_path, "mid")
     model = mlp(AccumulatingModel, n_gradients=4)
     model.compile(optimizer="sgd", loss="mse")
-
-    class SaveAfterThree(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 2:
-                # `self.model`: on JAX it holds the step's state.
-                self.model.save_weights(file)
-
     model.fit(x, y, batch_size=4, epochs=1, verbose=0,
-              callbacks=[SaveAfterThree()])
+              callbacks=[AfterMicroBatch(3, lambda m: m.save_weights(file))])
     resumed = mlp(AccumulatingModel, n_gradients=4)
     resumed.compile(optimizer="sgd", loss="mse")
     resumed.optimizer.build(resumed.trainable_variables)
