@@ -680,12 +680,14 @@ def check_ready_to_accumulate(model, requested_class):
     """
     check_optimizer_does_not_accumulate(model.optimizer)
     adapter.check_strategy(model)
-    adapter.check_optimizer(model.optimizer, model)
+    optimizer_stray = adapter.check_optimizer(model.optimizer, model)
     check_loss_reductions(flatten(model.loss))
     check_no_foreign_layers(model)
     check_float8_on_one_replica(model)
     check_steps_per_execution(model)
     warn = model._accumulation.warn_once
+    if optimizer_stray:
+        warn(optimizer_stray)
     warn_if_batch_statistics_differ(model, warn)
     warn_if_layers_add_losses(model, warn)
     warn_if_activity_penalties_are_not_sums(model, warn)

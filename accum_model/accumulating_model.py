@@ -440,6 +440,16 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
         )
         return self.train_function
 
+    def make_test_function(self, force=False):
+        if self.test_function is not None and not force:
+            return self.test_function
+        super().make_test_function(force)
+        # Under several TensorFlow replicas Keras's evaluation averages the
+        # replicas' own losses; this one reduces each as one device does.
+        self.test_function = adapter.evaluating_like_one_device(
+            self, self.test_function)
+        return self.test_function
+
     def apply_open_window(self):
         """Applies the gradients of the window still open, if any.
 

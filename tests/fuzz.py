@@ -23,13 +23,15 @@ the floor, and whether it warned (or refused) where plain Keras did not.
 A use passes when it is exact or warned: a quiet difference is a defect.
 
 `reproduction(use, outcome)` is a script that runs the use again.
-`python tests/fuzz.py N` runs N uses drawn from seed 0 and prints the
-counts (the long mode; see CONTRIBUTING.md).
+`python tests/fuzz.py N [FIRST_SEED]` runs the N uses `random_use` draws
+from seeds FIRST_SEED onwards and prints the counts (the long mode; see
+CONTRIBUTING.md).
 """
 
 import contextlib
 import dataclasses
 import os
+import random
 import sys
 import warnings
 
@@ -174,101 +176,138 @@ def data_kinds():
 
 
 def uses():
-    """A Hypothesis strategy of `Use`s."""
+    """A Hypothesis strategy of `Use`s (it shrinks a failing one)."""
     from hypothesis import strategies as st
 
-    @st.composite
-    def draw(draw_value):
-        architecture = draw_value(st.sampled_from(sorted(ARCHITECTURES)))
-        task = ARCHITECTURES[architecture]
-        optimizers, clippings = OPTIMIZERS, CLIPPINGS
-        # Plain Keras's own strays on an Embedding's repeated sparse rows,
-        # named in the README (the window equals the large batch given
-        # densely).
-        if "embedding" in architecture:
-            if "optimizer" in adapter.SPARSE_ROW_STRAYS:
-                optimizers = _LINEAR_OPTIMIZERS
-            if "clipping" in adapter.SPARSE_ROW_STRAYS:
-                clippings = ("none",)
-        n_gradients = draw_value(st.integers(1, 4))
-        replicas = draw_value(st.sampled_from(
-            (1, 2) if two_replicas() is not None else (1,)))
-        # Each replica gets an equal share of every micro-batch.
-        micro_batch = replicas * draw_value(st.integers(1, 6 // replicas))
-        large = n_gradients * micro_batch
-        # Up to _STEPS windows, the last of any length (a short last
-        # micro-batch, a short last window).
-        samples = replicas * draw_value(st.integers(
-            large // replicas, _STEPS * large // replicas))
-        micro_batches = -(-samples // micro_batch)
-        resumes = [name for name in RESUMES
-                   if name != "keras_file" or KERAS_MAJOR == 3]
-        resume = (draw_value(st.sampled_from(resumes)) if micro_batches > 1
-                  else "none")
-        precisions = PRECISIONS
-        if architecture == "attention" and keras.backend.backend() == "jax":
-            # "The precision 'F16_F16_F32' is not supported by dot_general
-            # on CPU" (jax 0.10.2), plain Keras as well.
-            precisions = ("float32", "mixed_bfloat16")
-        if (architecture == "activity_regularized" and KERAS_MAJOR == 3
-                and keras.backend.backend() == "tensorflow"):
-            # Keras 3.15.1 on TensorFlow cannot add an activity penalty
-            # computed in 16 bits to its float32 loss, plain Keras alike.
-            precisions = ("float32",)
-        precision = draw_value(st.sampled_from(precisions))
-        if precision == "mixed_bfloat16":
-            # A micro-batch's gradient leaves its backward pass rounded to
-            # bfloat16 before the window adds it in float32, where the
-            # large batch rounds the sum once: micro-batch gradients that
-            # cancel keep 2**-9 of their own size, and Adam's normalization
-            # turns that into steps of the learning rate (1.4e-2 where
-            # plain Keras lands 8e-4 from float32, two outputs under Adam,
-            # keras 3.15.1 on torch). Gradients that enter the update
-            # linearly keep it at rounding's size.
-            optimizers = _LINEAR_OPTIMIZERS
-        if resume != "none" and precision == "mixed_float16":
-            # Keras's LossScaleOptimizer saves no Nadam `_u_product`: plain
-            # Keras resumes Nadam with it at 1.0 on TensorFlow and PyTorch
-            # (keras 3.15.1; docs/exactness.md).
-            optimizers = tuple(name for name in optimizers
-                               if name != "nadam")
-        kinds = data_kinds()
-        if KERAS_MAJOR == 2 and n_gradients == 1:
-            # Windows of one are Keras 2's own step, which at the end of a
-            # Python generator counts an update without data (named in
-            # the README; test_keras2.py holds the window to the large
-            # batch there).
-            kinds = tuple(kind for kind in kinds if kind != "generator")
-        weights = SAMPLE_WEIGHTS + (
-            (CLASS_WEIGHTS,) if task == "classification" else ())
-        sample_weights = draw_value(st.sampled_from(weights))
-        if resume != "none" or sample_weights == CLASS_WEIGHTS:
-            kinds = ("arrays",)
-        return Use(
-            data=draw_value(st.sampled_from(kinds)),
-            architecture=architecture,
-            loss=draw_value(st.sampled_from(LOSSES[task])),
-            optimizer=draw_value(st.sampled_from(optimizers)),
-            clipping=draw_value(st.sampled_from(clippings)),
-            sample_weights=sample_weights,
-            n_gradients=n_gradients,
-            micro_batch=micro_batch,
-            samples=samples,
-            seed=draw_value(st.integers(0, 2**16)),
-            replicas=replicas,
-            precision=precision,
-            schedule=draw_value(st.booleans()),
-            ema=draw_value(st.booleans()),
-            # A resumed run is one epoch, saved in it and trained to its end.
-            epochs=(1 if resume != "none"
-                    else draw_value(st.integers(1, 2))),
-            validation=resume == "none" and draw_value(st.booleans()),
-            resume=resume,
-            resume_after=(0 if resume == "none" else draw_value(
-                st.integers(1, micro_batches - 1))),
-        )
+    class Picks:
+        def __init__(self, draw):
+            self._draw = draw
 
-    return draw()
+        def one_of(self, values):
+            return self._draw(st.sampled_from(values))
+
+        def integer(self, low, high):
+            return self._draw(st.integers(low, high))
+
+        def boolean(self):
+            return self._draw(st.booleans())
+
+    return st.composite(lambda draw: _drawn_use(Picks(draw)))()
+
+
+def random_use(seed):
+    """The `Use` drawn from `seed` on its own: every value uniformly, each
+    use independent of the others (Hypothesis's search draws its next use
+    near the ones before it)."""
+
+    class Picks:
+        def __init__(self):
+            self._random = random.Random(seed)
+
+        def one_of(self, values):
+            return self._random.choice(tuple(values))
+
+        def integer(self, low, high):
+            return self._random.randint(low, high)
+
+        def boolean(self):
+            return self._random.random() < 0.5
+
+    return _drawn_use(Picks())
+
+
+def _drawn_use(picks):
+    """A `Use` of values from `picks` (`one_of(values)`, `integer(low,
+    high)`, `boolean()`), within what can be compared with plain Keras
+    here."""
+    architecture = picks.one_of(sorted(ARCHITECTURES))
+    task = ARCHITECTURES[architecture]
+    optimizers, clippings = OPTIMIZERS, CLIPPINGS
+    # Plain Keras's own strays on an Embedding's repeated sparse rows,
+    # named in the README (the window equals the large batch given
+    # densely).
+    if "embedding" in architecture:
+        if "optimizer" in adapter.SPARSE_ROW_STRAYS:
+            optimizers = _LINEAR_OPTIMIZERS
+        if "clipping" in adapter.SPARSE_ROW_STRAYS:
+            clippings = ("none",)
+    n_gradients = picks.integer(1, 4)
+    replicas = picks.one_of(
+        (1, 2) if two_replicas() is not None else (1,))
+    # Each replica gets an equal share of every micro-batch.
+    micro_batch = replicas * picks.integer(1, 6 // replicas)
+    large = n_gradients * micro_batch
+    # Up to _STEPS windows, the last of any length (a short last
+    # micro-batch, a short last window).
+    samples = replicas * picks.integer(
+        large // replicas, _STEPS * large // replicas)
+    micro_batches = -(-samples // micro_batch)
+    resumes = [name for name in RESUMES
+               if name != "keras_file" or KERAS_MAJOR == 3]
+    resume = (picks.one_of(resumes) if micro_batches > 1
+              else "none")
+    precisions = PRECISIONS
+    if architecture == "attention" and keras.backend.backend() == "jax":
+        # "The precision 'F16_F16_F32' is not supported by dot_general
+        # on CPU" (jax 0.10.2), plain Keras as well.
+        precisions = ("float32", "mixed_bfloat16")
+    if (architecture == "activity_regularized" and KERAS_MAJOR == 3
+            and keras.backend.backend() == "tensorflow"):
+        # Keras 3.15.1 on TensorFlow cannot add an activity penalty
+        # computed in 16 bits to its float32 loss, plain Keras alike.
+        precisions = ("float32",)
+    precision = picks.one_of(precisions)
+    if precision == "mixed_bfloat16":
+        # A micro-batch's gradient leaves its backward pass rounded to
+        # bfloat16 before the window adds it in float32, where the
+        # large batch rounds the sum once: micro-batch gradients that
+        # cancel keep 2**-9 of their own size, and Adam's normalization
+        # turns that into steps of the learning rate (1.4e-2 where
+        # plain Keras lands 8e-4 from float32, two outputs under Adam,
+        # keras 3.15.1 on torch). Gradients that enter the update
+        # linearly keep it at rounding's size.
+        optimizers = _LINEAR_OPTIMIZERS
+    if resume != "none" and precision == "mixed_float16":
+        # Keras's LossScaleOptimizer saves no Nadam `_u_product`: plain
+        # Keras resumes Nadam with it at 1.0 on TensorFlow and PyTorch
+        # (keras 3.15.1; docs/exactness.md).
+        optimizers = tuple(name for name in optimizers
+                           if name != "nadam")
+    kinds = data_kinds()
+    if KERAS_MAJOR == 2 and n_gradients == 1:
+        # Windows of one are Keras 2's own step, which at the end of a
+        # Python generator counts an update without data (named in
+        # the README; test_keras2.py holds the window to the large
+        # batch there).
+        kinds = tuple(kind for kind in kinds if kind != "generator")
+    weights = SAMPLE_WEIGHTS + (
+        (CLASS_WEIGHTS,) if task == "classification" else ())
+    sample_weights = picks.one_of(weights)
+    if resume != "none" or sample_weights == CLASS_WEIGHTS:
+        kinds = ("arrays",)
+    return Use(
+        data=picks.one_of(kinds),
+        architecture=architecture,
+        loss=picks.one_of(LOSSES[task]),
+        optimizer=picks.one_of(optimizers),
+        clipping=picks.one_of(clippings),
+        sample_weights=sample_weights,
+        n_gradients=n_gradients,
+        micro_batch=micro_batch,
+        samples=samples,
+        seed=picks.integer(0, 2**16),
+        replicas=replicas,
+        precision=precision,
+        schedule=picks.boolean(),
+        ema=picks.boolean(),
+        # A resumed run is one epoch, saved in it and trained to its end.
+        epochs=(1 if resume != "none"
+                else picks.integer(1, 2)),
+        validation=resume == "none" and picks.boolean(),
+        resume=resume,
+        resume_after=(0 if resume == "none" else picks.integer(
+            1, micro_batches - 1)),
+    )
 
 
 def two_replicas():
@@ -767,33 +806,27 @@ def reproduction(use, outcome):
         f"print(fuzz.run(fuzz.{use!r}))\n")
 
 
-def _long_run(count, first_seed=None):
-    """Runs `count` uses (the same ones each time for a `first_seed`, or
-    with none) and prints a line a use, the counts, the warnings given where
-    the use was exact, and each quiet difference's reproduction."""
-    from hypothesis import HealthCheck, given, seed, settings
-
+def _long_run(count, first_seed=0):
+    """Runs the uses drawn from seeds `first_seed` to `first_seed + count -
+    1` (`random_use`) and prints a line a use, the counts, the warnings
+    given where the use was exact, and each quiet difference's
+    reproduction."""
     counts = {"uses": 0, "exact": 0, "warned": 0, "warned but exact": 0,
               "refused": 0, "plain Keras failed": 0, "errors": 0,
               "quiet differences": 0}
     failures = []
     noise = {}
-
-    @settings(max_examples=count, deadline=None, database=None,
-              derandomize=first_seed is None,
-              suppress_health_check=list(HealthCheck))
-    @seed(first_seed or 0)
-    @given(use=uses())
-    def one(use):
+    for use_seed in range(first_seed, first_seed + count):
+        use = random_use(use_seed)
+        counts["uses"] += 1
         try:
             outcome = run(use)
         except Exception as error:  # noqa: BLE001 - reported, run goes on
-            counts["uses"] += 1
             counts["errors"] += 1
             failures.append(f"{type(error).__name__}: {error}\n{use!r}")
-            print(counts["uses"], "error", use, failures[-1], flush=True)
-            return
-        counts["uses"] += 1
+            print(counts["uses"], use_seed, "error", use, failures[-1],
+                  flush=True)
+            continue
         counts["exact"] += outcome.exact
         counts["warned"] += bool(outcome.warned)
         counts["warned but exact"] += outcome.warned_but_exact
@@ -807,13 +840,12 @@ def _long_run(count, first_seed=None):
             failures.append(reproduction(use, outcome))
             print(failures[-1], flush=True)
         # One line a use, so that a run cut short still says what it did.
-        print(counts["uses"], "quiet difference" if not outcome.passes
+        print(counts["uses"], use_seed, "quiet difference"
+              if not outcome.passes
               else "plain Keras failed" if outcome.plain_failed
               else "refused" if outcome.refused else "warned but exact"
               if outcome.warned_but_exact else "warned" if outcome.warned
               else "exact", use, flush=True)
-
-    one()
     for name, value in counts.items():
         print(f"{name}: {value}")
     for message, times in sorted(noise.items(), key=lambda item: -item[1]):
@@ -824,4 +856,4 @@ def _long_run(count, first_seed=None):
 
 if __name__ == "__main__":
     _long_run(int(sys.argv[1]) if len(sys.argv) > 1 else 100,
-              int(sys.argv[2]) if len(sys.argv) > 2 else None)
+              int(sys.argv[2]) if len(sys.argv) > 2 else 0)

@@ -183,6 +183,55 @@ def test_masked_sequences_with_different_valid_counts_per_replica(
     assert max_weight_difference(plain, accumulating) <= TOLERANCE
 
 
+def _token_classifier(model_class, **kwargs):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((5,), dtype="int32")
+    embedded = keras.layers.Embedding(10, 4)(inputs)
+    return model_class(inputs, keras.layers.Dense(4)(embedded), **kwargs)
+
+
+@pytest.mark.parametrize("loss", ["ignore_class", "sum", "sample_weights"])
+def test_evaluation_under_two_replicas_is_one_devices(loss, two_replicas):
+    # Each replica's half of a batch has its own count of valid labels:
+    # Keras's evaluation under a MirroredStrategy averaged the replicas'
+    # own means (1.3829 where one device gives 1.3909).
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 10, (24, 5))
+    y = rng.integers(0, 4, (24, 5))
+    y[:4, :4] = 0
+    sample_weight = None
+    options = dict(from_logits=True)
+    if loss == "ignore_class":
+        options["ignore_class"] = 0
+    elif loss == "sum":
+        options["reduction"] = "sum"
+    else:
+        # One weight a token (Keras takes no weight a sample here).
+        sample_weight = np.repeat(
+            np.where(np.arange(24) % 8 < 4, 3.0, 0.5)[:, None], 5, axis=1)
+    one_device = _token_classifier(keras.Model)
+    one_device.compile(
+        optimizer="sgd",
+        loss=keras.losses.SparseCategoricalCrossentropy(**options))
+    with two_replicas.scope():
+        model = _token_classifier(AccumulatingModel, n_gradients=2)
+        model.compile(
+            optimizer="sgd",
+            loss=keras.losses.SparseCategoricalCrossentropy(**options))
+        history = model.fit(x, y, sample_weight=sample_weight, batch_size=4,
+                            epochs=1, shuffle=False, verbose=0,
+                            validation_data=(x, y, sample_weight),
+                            validation_batch_size=8)
+        evaluated = model.evaluate(x, y, sample_weight=sample_weight,
+                                   batch_size=8, verbose=0)
+    one_device.set_weights(model.get_weights())
+    expected = one_device.evaluate(x, y, sample_weight=sample_weight,
+                                   batch_size=8, verbose=0)
+    assert abs(evaluated - expected) <= TOLERANCE * abs(expected)
+    assert (abs(history.history["val_loss"][0] - expected)
+            <= TOLERANCE * abs(expected))
+
+
 def _masked_tokens(samples):
     rng = np.random.default_rng(1)
     tokens = rng.integers(1, 20, size=(samples, 7))

@@ -8,6 +8,7 @@ large batch. What the topic files test under Keras 2 too (`keras_2_too`)
 is not repeated here.
 """
 
+import contextlib
 import warnings
 
 import numpy as np
@@ -327,6 +328,36 @@ def test_legacy_optimizers_under_replicas_are_refused_with_the_fix(
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert max(float(np.max(np.abs(a - b)))
                for a, b in zip(before, model.get_weights())) == 0.0
+
+
+def test_nadam_under_replicas_is_named_and_adam_is_not(two_replicas):
+    # Keras 2's Nadam advances its `_u_product` once for each traced copy:
+    # under two replicas plain Keras lands away from one device too.
+    x, y = regression_data(samples=64)
+
+    def train(model_class, optimizer, strategy=None, **settings):
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            model = mlp(model_class, **settings)
+            model.compile(optimizer=optimizer, loss="mse")
+        model.set_weights(mlp(keras.Model).get_weights())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=8 if settings else 32, epochs=1,
+                      shuffle=False, verbose=0)
+        return model, [str(w.message) for w in caught
+                       if "replicas" in str(w.message)]
+
+    one_device, _ = train(keras.Model, keras.optimizers.Nadam(0.01))
+    plain, _ = train(keras.Model, keras.optimizers.Nadam(0.01), two_replicas)
+    assert max_weight_difference(one_device, plain) > 0.0
+    _, named = train(AccumulatingModel, keras.optimizers.Nadam(0.01),
+                     two_replicas, n_gradients=4)
+    assert len(named) == 1 and "Nadam" in named[0], named
+    adam, named = train(AccumulatingModel, keras.optimizers.Adam(0.01),
+                        two_replicas, n_gradients=4)
+    plain_adam, _ = train(keras.Model, keras.optimizers.Adam(0.01))
+    assert named == []
+    assert max_weight_difference(plain_adam, adam) <= TOLERANCE
 
 
 def test_legacy_optimizers_on_one_device_stay_exact():

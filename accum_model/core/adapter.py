@@ -52,6 +52,10 @@ class Adapter:
     # loss tracker is empty (the model's state cannot be read mid-epoch),
     # or the window callback writes it into the batch's logs.
     STEP_LOGS_LOSS_BEFORE_A_WINDOW_ENDS = False
+    # Whether Keras's evaluation logs a loss reduced with "sum" times the
+    # replicas under a strategy (its loss tracker weighs each replica's
+    # share by its samples).
+    SUMS_LOGGED_PER_REPLICA = False
 
     layers_of = staticmethod(class_tree.layers_of)
 
@@ -74,9 +78,19 @@ class Adapter:
         return 1
 
     @staticmethod
+    def evaluating_like_one_device(model, test_function):
+        """`model`'s `test_function`, with its losses reduced as one device
+        reduces the whole batch."""
+        del model
+        return test_function
+
+    @staticmethod
     def check_optimizer(optimizer, model):
-        """Raises for an optimizer a window cannot apply exactly."""
+        """Raises for an optimizer a window cannot apply exactly; returns
+        the text of a warning for one that plain Keras does not apply like
+        one device either (or None)."""
         del optimizer, model
+        return None
 
     @staticmethod
     def pools_moving_statistics(layer):

@@ -26,6 +26,9 @@ class Keras2Adapter(Adapter):
     # Its Adam applies repeated rows whole; its clipping does not (measured
     # on tf_keras 2.21.0, tests/test_large_batch_check.py).
     SPARSE_ROW_STRAYS = frozenset({"clipping"})
+    # `LossesContainer` multiplies a summed loss's logged value by the
+    # replicas (tf_keras 2.21.0, keras 2.13.1 `compile_utils`).
+    SUMS_LOGGED_PER_REPLICA = True
 
     keras = keras
     Functional = saving.Functional
@@ -46,6 +49,10 @@ class Keras2Adapter(Adapter):
         losses.losses_not_divided_by_replicas)
     recording_loss_reductions = staticmethod(
         losses.recording_loss_reductions)
+
+    def evaluating_like_one_device(self, model, test_function):
+        return tf_step.evaluating_like_one_device(model, test_function,
+                                                  details=self)
     track_loss = staticmethod(losses.track_loss)
     recording_batch_statistics = staticmethod(
         normalization.recording_batch_statistics)

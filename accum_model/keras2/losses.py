@@ -88,14 +88,15 @@ def losses_not_divided_by_replicas():
 
 
 @contextlib.contextmanager
-def recording_loss_reductions():
+def recording_loss_reductions(reduced=None):
     """Records how Keras 2 reduces each loss computed inside the context.
 
     `losses.Loss.__call__` merges the prediction's mask with the loss's,
     hands it to `losses_utils.apply_valid_mask` (which reweights the valid
     elements so that the mean divides by their number) and reduces with
     `losses_utils.compute_weighted_loss`. Both are wrapped; the returned
-    list receives one `divisor.Reduction` per loss term.
+    list receives one `divisor.Reduction` per loss term. With `reduced`,
+    each reduced loss is replaced by `reduced(loss, record)`.
     """
     records = []
     masks = []
@@ -129,7 +130,7 @@ def recording_loss_reductions():
         records.append(divisor.reduction_of(
             losses, reduction, TF_SHAPES, mask, loss=loss_object,
             prediction=prediction))
-        return loss
+        return loss if reduced is None else reduced(loss, records[-1])
 
     with replaced(_losses_utils, {"apply_valid_mask": noting_mask,
                                   "compute_weighted_loss": recording}):

@@ -50,17 +50,32 @@ def float16_gradient_flags(model, variables):
 
 
 def check_optimizer(optimizer, model):
-    """Refuses a legacy optimizer (`optimizers.legacy`) under replicas.
+    """Refuses a legacy optimizer (`optimizers.legacy`) under replicas, and
+    names Nadam there.
 
     Under MirroredStrategy a legacy optimizer weighed the replicas' window
     gradients unlike one device where micro-batches split unevenly (tf_keras
     2.21, two replicas, 97 samples in micro-batches of 8: 3.0e-2 from one
     device, the new optimizer 3e-8); on one replica it is exact.
+
+    Keras 2's Nadam keeps the count of its `_u_product` updates in a Python
+    number (`_u_product_counter`) that advances while a step is traced, not
+    while it runs. Under MirroredStrategy the update is traced once for each
+    replica's copy, so each copy of `_u_product` moves a different number of
+    times (tf_keras 2.21, two replicas, 14 steps of a Dense: 6.6e-14 and
+    4.0e-14, one device 1.1e-13) and so do the weights it scales: plain
+    Keras and a window alike land 8e-7 from one device's weights, 6e-5 on
+    an Embedding. No window can undo it.
+
+    Returns:
+        A warning's text, or None.
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     replicas = model.distribute_strategy.num_replicas_in_sync
-    if isinstance(inner, _optimizer_v2.OptimizerV2) and replicas > 1:
-        name = type(inner).__name__
+    if replicas == 1:
+        return None
+    name = type(inner).__name__
+    if isinstance(inner, _optimizer_v2.OptimizerV2):
         raise ValueError(
             f"AccumulatingModel cannot apply a legacy optimizer "
             f"(`tf.keras.optimizers.legacy.{name}`) exactly under "
@@ -68,6 +83,19 @@ def check_optimizer(optimizer, model):
             "it applies like one device, or train on one replica. Received: "
             f"optimizer={name} (legacy), {replicas} replicas"
         )
+    if isinstance(inner, keras.optimizers.Nadam):
+        return (
+            f"Keras 2's Nadam does not update like one device under "
+            f"{replicas} replicas: it counts its `_u_product` updates when "
+            "a step is traced, once for each replica's copy, so each copy "
+            "moves its own way, and the weights with it. Plain Keras and "
+            "AccumulatingModel alike land away from one device's Nadam "
+            "(8e-7 on a Dense after 14 steps, 6e-5 on an Embedding). For "
+            "one device's numbers, train on one replica, or use another "
+            "optimizer (Adam is exact under replicas). Received: "
+            f"optimizer=Nadam, {replicas} replicas"
+        )
+    return None
 
 
 class Keras2LossScaling(OptimizerDuties):

@@ -108,7 +108,7 @@ def losses_not_divided_by_replicas():
 
 
 @contextlib.contextmanager
-def recording_loss_reductions(shape_ops):
+def recording_loss_reductions(shape_ops, reduced=None):
     """Records how Keras reduces each loss computed inside the context.
 
     Wraps `keras.src.losses.loss.reduce_weighted_values`, the one place
@@ -116,7 +116,8 @@ def recording_loss_reductions(shape_ops):
     Keras wraps) reduces its per-element values, with the mask made by the
     loss itself (`ignore_class`) already merged with the prediction's. The
     returned list receives one `divisor.Reduction` per loss term, read
-    through the backend's `shape_ops` (`divisor.ShapeOps`).
+    through the backend's `shape_ops` (`divisor.ShapeOps`). With
+    `reduced`, each reduced loss is replaced by `reduced(loss, record)`.
     """
     records = []
     original = keras_loss_module.reduce_weighted_values
@@ -140,7 +141,7 @@ def recording_loss_reductions(shape_ops):
         records.append(divisor.reduction_of(
             values, reduction, shape_ops, mask, weight_sum,
             loss=loss_object, prediction=prediction))
-        return loss
+        return loss if reduced is None else reduced(loss, records[-1])
 
     with replaced(keras_loss_module, {"reduce_weighted_values": recording}):
         yield records

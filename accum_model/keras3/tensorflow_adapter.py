@@ -198,8 +198,12 @@ class TensorFlowAdapter(Keras3Adapter):
     accumulate_gradients = staticmethod(tf_step.accumulate_gradients)
 
     @staticmethod
-    def recording_loss_reductions():
-        return losses.recording_loss_reductions(TF_SHAPES)
+    def recording_loss_reductions(reduced=None):
+        return losses.recording_loss_reductions(TF_SHAPES, reduced)
+
+    def evaluating_like_one_device(self, model, test_function):
+        return tf_step.evaluating_like_one_device(model, test_function,
+                                                  details=self)
 
     @staticmethod
     def check_strategy(model):

@@ -8,6 +8,8 @@ optimizer update taken under a condition). These helpers hide which.
 
 import tensorflow as tf
 
+from accum_model.core import divisor
+
 
 def for_each_replica(fn, *args):
     """Runs `fn(*args)` once on every replica and returns its result(s)."""
@@ -154,3 +156,30 @@ def assign_on_every_replica(variable, value):
     (eagerly, in cross-replica context)."""
     for component in getattr(variable, "values", (variable,)):
         component.assign(tf.cast(value, component.dtype))
+
+
+def reduced_as_one_device(loss, reduction, sums_logged_per_replica=False):
+    """One replica's reduced `loss` of its share of the batch, replaced by
+    the whole batch's, as one device reduces it (replica context).
+
+    `reduction` is the `divisor.Reduction` Keras applied: a mean over valid
+    elements or weights becomes the sum over replicas of each replica's
+    numerator over the sum of their divisors, a "sum" the sum over
+    replicas (over the replicas again where Keras multiplies a summed
+    loss's logged value by them: `sums_logged_per_replica`). A scalar of
+    the user's own stays this replica's.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return loss
+    if reduction.reduction == divisor.SUM:
+        total = context.all_reduce(tf.distribute.ReduceOp.SUM, loss)
+        if sums_logged_per_replica:
+            total /= context.num_replicas_in_sync
+        return total
+    if reduction.divisor is None:
+        return loss
+    weight = tf.cast(reduction.divisor, loss.dtype)
+    numerator, weights = context.all_reduce(
+        tf.distribute.ReduceOp.SUM, [loss * weight, weight])
+    return tf.math.divide_no_nan(numerator, weights)

@@ -10,10 +10,13 @@ comes in as `details`, each Keras's adapter (`unpack_x_y_sample_weight`,
 `recording_batch_statistics`, `recording_loss_reductions`).
 """
 
+import functools
+
 import tensorflow as tf
 
 from accum_model.core import divisor
 from accum_model.core import micro_step
+from accum_model.tensorflow import replicas
 from accum_model.tensorflow.ops import TF_SHAPES
 
 
@@ -121,6 +124,37 @@ def accumulate_gradients(model, gradients, weight, batch_size=None):
 def replicas_in_sync(model):
     """Int. Replicas the model trains on (its strategy's)."""
     return model.distribute_strategy.num_replicas_in_sync
+
+
+def evaluating_like_one_device(model, test_function, details):
+    """`model`'s `test_function`, in which, under several replicas, each
+    loss Keras reduces is the whole batch's
+    (`replicas.reduced_as_one_device`), where Keras's own evaluation
+    averages the replicas' own means (a mean over valid elements, or
+    weights, strays from one device's, as a "sum" does). Keras divides no
+    loss by the replicas there: each already is the whole batch's.
+    `details` is the Keras adapter (`losses_not_divided_by_replicas`,
+    `recording_loss_reductions`, `SUMS_LOGGED_PER_REPLICA`).
+
+    The replacement is made around the whole function, from the calling
+    thread: MirroredStrategy traces each replica in a thread of its own
+    and switches between them at each collective, so a replacement made
+    and undone inside one replica's step would cross another's.
+    """
+    if replicas_in_sync(model) == 1:
+        return test_function
+
+    @functools.wraps(test_function)
+    def test_function_of_one_device(*args, **kwargs):
+        with details.losses_not_divided_by_replicas(), \
+                details.recording_loss_reductions(
+                    reduced=functools.partial(
+                        replicas.reduced_as_one_device,
+                        sums_logged_per_replica=(
+                            details.SUMS_LOGGED_PER_REPLICA))):
+            return test_function(*args, **kwargs)
+
+    return test_function_of_one_device
 
 
 def batch_split_ways():
