@@ -523,11 +523,16 @@ def _rows(structure, rows):
 
 @contextlib.contextmanager
 def _precision(use):
+    # float64 losses too: Keras computes a loss in `floatx()`, and a float32
+    # mean in a float64 model is 1e-7 from the float64 gradient.
     keras.mixed_precision.set_global_policy(use.precision)
+    keras.backend.set_floatx(
+        "float64" if use.precision == "float64" else "float32")
     try:
         yield
     finally:
         keras.mixed_precision.set_global_policy("float32")
+        keras.backend.set_floatx("float32")
 
 
 def run(use):
