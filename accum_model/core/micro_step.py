@@ -8,6 +8,7 @@ here. Pure Python over what the step hands in; imports no Keras.
 
 from accum_model.core import class_tree
 from accum_model.core import divisor
+from accum_model.core import window
 
 # The log entry that counts the windows skipped because a gradient
 # overflowed.
@@ -34,9 +35,10 @@ def divides_by_weight(model_class, weight_from_batch_size, reductions):
 
 
 def shows_skipped_windows(loss_scaled, accumulators_may_overflow):
-    """Whether the logs count skipped windows: wherever a window can be
-    skipped for overflow, so that one never passes silently."""
-    return bool(loss_scaled or accumulators_may_overflow)
+    """Whether the logs count skipped windows: wherever the window's end
+    checks anything (`window.end_checks`), so that a skip never passes
+    silently."""
+    return bool(window.end_checks(loss_scaled, accumulators_may_overflow))
 
 
 def with_skipped_windows(logs, skipped_windows):

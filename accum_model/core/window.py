@@ -332,6 +332,44 @@ def fits_float16(config, state, loss_scale, ops):
                                    total_weight(config, state, ops))
 
 
+def finite(config, state, loss_scale, ops):
+    """Check: every gradient sum is finite (see `is_finite`)."""
+    del config, loss_scale
+    return is_finite(state, ops)
+
+
+def in_float16_range(config, state, loss_scale, ops):
+    """Check: the large batch's float16 gradients stay in float16's range
+    at the `loss_scale` in force (see `fits_float16`)."""
+    return fits_float16(config, state, loss_scale, ops)
+
+
+def end_checks(loss_scaled, accumulators_may_overflow):
+    """The checks a window's end makes before it applies the window: a
+    tuple of functions `(config, state, loss_scale, ops) -> bool`, on the
+    window summed over replicas; a window that fails one is skipped.
+
+    Under loss scaling, as Keras's `LossScaleOptimizer` checks one large
+    batch: the sums are finite, and the large batch's float16 gradients
+    would have been. With narrow accumulators, the sums are finite. Else
+    none: every window applies.
+    """
+    if loss_scaled:
+        return (finite, in_float16_range)
+    if accumulators_may_overflow:
+        return (finite,)
+    return ()
+
+
+def passes(checks, config, state, loss_scale, ops):
+    """Bool: whether the window passes every one of `checks` (True for
+    none); `loss_scale` is the scale in force, or None without one."""
+    verdict = ops.cast(True, "bool")
+    for check in checks:
+        verdict = verdict & check(config, state, loss_scale, ops)
+    return verdict
+
+
 def window_estimates(config, state, ops):
     """The window's noise-scale estimates [tr(Sigma), |G|^2, 1.0], zeros
     where it cannot be measured: fewer than two micro-batches with data, or

@@ -425,10 +425,11 @@ def end_window(accumulation, operands):
             return accumulation.optimizer_apply(
                 optimizer_values, gradients, trainable)
 
+    checks = core_window.end_checks(scaling.active,
+                                    accumulation.settings.may_overflow)
     if scaling.active:
         scale = optimizer_values[scaling.scale_index()]
-        fits = core_window.is_finite(state, KERAS_OPS) & (
-            core_window.fits_float16(config, state, scale, KERAS_OPS))
+        fits = core_window.passes(checks, config, state, scale, KERAS_OPS)
         emptied = core_window.closed(config, state, fits, KERAS_OPS,
                                      zero_sums)
         # Keras's own LossScaleOptimizer unscales, checks, applies or
@@ -451,9 +452,10 @@ def end_window(accumulation, operands):
         return trainable, optimizer_values, core_window.skipped(
             state, KERAS_OPS, zero_sums)
 
-    if not accumulation.settings.may_overflow:
+    if not checks:
         return update(operands)
-    return _chosen(accumulation, core_window.is_finite(state, KERAS_OPS),
+    return _chosen(accumulation,
+                   core_window.passes(checks, config, state, None, KERAS_OPS),
                    lambda: update(operands), lambda: skip(operands))
 
 

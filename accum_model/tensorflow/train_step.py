@@ -77,7 +77,7 @@ def train_step(model, data, details):
                                  divide_by_weight=divide_by_weight, loss=loss,
                                  statistics=statistics)
     logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-    if accumulation.window_end.checks_finite:
+    if accumulation.window_end.shows_skipped_windows:
         logs = micro_step.with_skipped_windows(
             logs, window.skipped_windows.value())
     return details.logs_for_reduction(logs, model.distribute_strategy)

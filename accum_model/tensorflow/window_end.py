@@ -2,8 +2,10 @@
 
 Written once for replica and cross-replica context (see `replicas`). The
 only communication a window costs is here: one reduction of the window's
-gradient sums together with its weight, samples, finiteness, loss sum,
-noise-scale estimates and pooled batch statistics.
+gradient sums together with its weight, samples, loss sum, noise-scale
+estimates and pooled batch statistics. The window's end checks
+(`core.window.end_checks`) then judge the summed window on every replica
+alike, with no further communication.
 """
 
 import contextlib
@@ -41,7 +43,9 @@ class WindowEnd:
         self.loss_scaling = loss_scaling
         self.strategy = window.strategy
         self.run_eagerly = run_eagerly
-        self.checks_finite = micro_step.shows_skipped_windows(
+        self.checks = core_window.end_checks(loss_scaling.active,
+                                             accumulators_may_overflow)
+        self.shows_skipped_windows = micro_step.shows_skipped_windows(
             loss_scaling.active, accumulators_may_overflow)
         self.report_loss = report_loss
         self.float16_gradients = float16_gradients
@@ -68,17 +72,13 @@ class WindowEnd:
         dtype = tf.float64 if any(
             s.dtype == tf.float64 for s in summed_sums) else tf.float32
 
-        noise_end = 4 + (3 if measures_noise else 0)
+        noise_end = 3 + (3 if measures_noise else 0)
         totals_size = noise_end + statistics.size
 
         def local_window():
             state = window.state()
             parts = [tf.stack([
-                state.weight_sum, state.sample_sum,
-                (tf.cast(core_window.is_finite(state, TF_OPS), tf.float32)
-                 if self.checks_finite else tf.constant(1.0)),
-                state.loss_sum,
-            ])]
+                state.weight_sum, state.sample_sum, state.loss_sum])]
             if measures_noise:
                 with tf.name_scope("noise_scale"):
                     parts.append(tf.stack(core_window.window_estimates(
@@ -107,30 +107,27 @@ class WindowEnd:
             gradient_totals = replicas.for_each_replica(
                 _split_gradient_totals, reduced, totals_size, summed_sums)
         totals = tf.cast(totals, tf.float32)
-        noise_totals = tf.unstack(totals[4:noise_end])
+        noise_totals = tf.unstack(totals[3:noise_end])
         statistics_totals = totals[noise_end:]
         total_samples = totals[1]
 
         # The window summed over replicas, as a `WindowState`.
         whole_totals = window.state(gradient_sums=[])._replace(
             weight_sum=totals[0], sample_sum=total_samples,
-            loss_sum=totals[3])
+            loss_sum=totals[2])
 
         def whole_window(gradient_totals):
             return whole_totals._replace(
                 gradient_sums=window.with_summed(gradient_totals))
 
-        num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        finite = tf.equal(totals[2], float(num_replicas))
-        if self.checks_finite and any(config.float16):
-            # Every replica holds the same summed totals: the verdict needs
-            # no communication.
-            loss_scale = scaling.current_scale()
-            finite = tf.logical_and(finite, replicas.first_local(
-                replicas.for_each_replica(
-                    lambda sums: core_window.fits_float16(
-                        config, whole_window(sums), loss_scale, TF_OPS),
-                    gradient_totals)))
+        # Every replica holds the same summed window (a variable Keras
+        # overwrites keeps its own, but those come with float8, which is
+        # refused under replicas): the checks need no communication.
+        loss_scale = scaling.current_scale() if scaling.active else None
+        passes = replicas.first_local(replicas.for_each_replica(
+            lambda sums: core_window.passes(
+                self.checks, config, whole_window(sums), loss_scale, TF_OPS),
+            gradient_totals)) if self.checks else tf.constant(True)
 
         def update():
             with (scaling.summed_gradients()
@@ -173,9 +170,9 @@ class WindowEnd:
                        else total_samples > 0)
         _run_when(has_samples, report_and_move_statistics)
         # Side by side rather than nested, for the same reason.
-        if self.checks_finite:
-            _run_when(_both(has_samples, finite), update)
-            _run_when(_both(has_samples, tf.logical_not(finite)), skip)
+        if self.checks:
+            _run_when(_both(has_samples, passes), update)
+            _run_when(_both(has_samples, tf.logical_not(passes)), skip)
         else:
             _run_when(has_samples, update)
         replicas.for_each_replica(window.reset)

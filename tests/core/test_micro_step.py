@@ -2,8 +2,11 @@
 plain Python: whether the window divides by its weight, and the skipped
 windows' log entry."""
 
+import pytest
+
 from accum_model.core import divisor
 from accum_model.core import micro_step
+from accum_model.core import window
 
 
 class Base:
@@ -50,6 +53,15 @@ def test_skipped_windows_are_shown_wherever_a_window_can_be_skipped():
     assert micro_step.shows_skipped_windows(True, False)
     assert micro_step.shows_skipped_windows(False, True)
     assert not micro_step.shows_skipped_windows(False, False)
+
+
+@pytest.mark.parametrize("loss_scaled", [False, True])
+@pytest.mark.parametrize("narrow", [False, True])
+def test_the_logs_count_skips_exactly_where_the_end_checks(loss_scaled,
+                                                           narrow):
+    # A window the end's checks can skip is one the logs must count.
+    assert micro_step.shows_skipped_windows(loss_scaled, narrow) is bool(
+        window.end_checks(loss_scaled, narrow))
 
 
 def test_the_skipped_windows_entry_joins_the_logs_without_changing_them():

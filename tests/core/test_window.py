@@ -280,6 +280,52 @@ def test_the_float16_verdict_is_the_large_batchs(largest, fits):
     assert window.fits_float16(kept, state, np.float32(1.0), OPS)
 
 
+def _overflowing_states():
+    """A window in range, one with an infinite sum, and one whose float16
+    large batch would overflow at a scale of 1 (sum 70000 * 8 over 8)."""
+    state = _state()._replace(
+        gradient_sums=[np.zeros((3, 2), "float32"),
+                       np.array([8.0, 1.0], "float32")],
+        weight_sum=np.float32(8.0))
+    infinite = state._replace(gradient_sums=[
+        state.gradient_sums[0], np.array([np.inf, 1.0], "float32")])
+    too_large = state._replace(gradient_sums=[
+        state.gradient_sums[0], np.array([70000.0 * 8.0, 1.0], "float32")])
+    return state, infinite, too_large
+
+
+@pytest.mark.parametrize("loss_scaled, narrow, verdicts", [
+    # Under loss scaling both checks, as Keras's LossScaleOptimizer checks
+    # one large batch; narrow accumulators check finiteness; else none.
+    (True, False, (True, False, False)),
+    (True, True, (True, False, False)),
+    (False, True, (True, False, True)),
+    (False, False, (True, True, True)),
+])
+def test_the_end_checks_judge_a_window_as_the_large_batch(
+        loss_scaled, narrow, verdicts):
+    config = _config(float16=(False, True))
+    checks = window.end_checks(loss_scaled, narrow)
+    scale = np.float32(1.0) if loss_scaled else None
+    assert tuple(bool(window.passes(checks, config, state, scale, OPS))
+                 for state in _overflowing_states()) == verdicts
+
+
+def test_a_check_of_ones_own_joins_the_verdict():
+    # A window verdict is a function of the summed window: one that skips
+    # windows whose gradient is larger than a bound (as optax's
+    # `skip_large_updates`) needs nothing else.
+    def small(config, state, loss_scale, ops):
+        del config, loss_scale
+        return ops.all(ops.abs(state.gradient_sums[1]) < 100.0)
+
+    config = _config(float16=(False, True))
+    in_range, _, too_large = _overflowing_states()
+    checks = window.end_checks(False, False) + (small,)
+    assert bool(window.passes(checks, config, in_range, None, OPS))
+    assert not bool(window.passes(checks, config, too_large, None, OPS))
+
+
 # The noise scale --------------------------------------------------------------
 
 def test_noise_estimates_are_the_hand_computed_ones():
