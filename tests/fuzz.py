@@ -864,6 +864,11 @@ def _long_run(count, first_seed=0):
               else "refused" if outcome.refused else "warned but exact"
               if outcome.warned_but_exact else "warned" if outcome.warned
               else "exact", use, flush=True)
+        if outcome.warned_but_exact:
+            # Which warnings fired where nothing was wrong, use by use (a
+            # run cut short prints no totals).
+            print("    warned:", " | ".join(message[:80] for message
+                                          in outcome.warned), flush=True)
     for name, value in counts.items():
         print(f"{name}: {value}")
     for message, times in sorted(noise.items(), key=lambda item: -item[1]):
