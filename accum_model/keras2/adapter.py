@@ -49,10 +49,6 @@ class Keras2Adapter(Adapter):
         losses.losses_not_divided_by_replicas)
     recording_loss_reductions = staticmethod(
         losses.recording_loss_reductions)
-
-    def evaluating_like_one_device(self, model, test_function):
-        return tf_step.evaluating_like_one_device(model, test_function,
-                                                  details=self)
     track_loss = staticmethod(losses.track_loss)
     recording_batch_statistics = staticmethod(
         normalization.recording_batch_statistics)
@@ -109,6 +105,10 @@ class Keras2Adapter(Adapter):
 
     def accumulating_train_step(self, model, data):
         return tf_step.train_step(model, data, details=self)
+
+    def evaluating_like_one_device(self, model, test_function):
+        return tf_step.evaluating_like_one_device(model, test_function,
+                                                  details=self)
 
     def default_micro_batch_weight(self, model, x, y_pred):
         return tf_step.default_micro_batch_weight(model, x, y_pred,

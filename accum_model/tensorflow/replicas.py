@@ -172,14 +172,18 @@ def reduced_as_one_device(loss, reduction, sums_logged_per_replica=False):
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return loss
+    # In float32: a float16 loss (Keras 2 under mixed precision) times
+    # its element count leaves float16's range.
+    wide = tf.cast(loss, tf.float32)
     if reduction.reduction == divisor.SUM:
-        total = context.all_reduce(tf.distribute.ReduceOp.SUM, loss)
+        whole = context.all_reduce(tf.distribute.ReduceOp.SUM, wide)
         if sums_logged_per_replica:
-            total /= context.num_replicas_in_sync
-        return total
-    if reduction.divisor is None:
+            whole /= context.num_replicas_in_sync
+    elif reduction.divisor is None:
         return loss
-    weight = tf.cast(reduction.divisor, loss.dtype)
-    numerator, weights = context.all_reduce(
-        tf.distribute.ReduceOp.SUM, [loss * weight, weight])
-    return tf.math.divide_no_nan(numerator, weights)
+    else:
+        weight = tf.cast(reduction.divisor, tf.float32)
+        numerator, weights = context.all_reduce(
+            tf.distribute.ReduceOp.SUM, [wide * weight, weight])
+        whole = tf.math.divide_no_nan(numerator, weights)
+    return tf.cast(whole, loss.dtype)
