@@ -119,9 +119,11 @@ class WindowCallback(keras.callbacks.Callback):
             )
         model._accumulation.start_epoch(steps, epoch)
         length = model._accumulation.window_length()
-        # A window restored from a checkpoint may end in this epoch.
+        # An epoch that begins with a window restored open from a checkpoint
+        # is the rest of an interrupted one: its end ends that window where
+        # the uninterrupted epoch's end would.
         if (steps and model.flush_each_epoch and steps < length
-                and model._accumulation.open_micro_steps() + steps < length):
+                and not model._accumulation.open_micro_steps()):
             model._accumulation.warn_once(
                 messages.windows_cut_by_epoch(steps, length))
         if not model.flush_each_epoch:

@@ -489,29 +489,35 @@ def test_an_epoch_shorter_than_a_window_is_named(n_gradients,
         assert iterations(model) == 2
 
 
-@pytest.mark.parametrize("epochs, named", [(1, False), (2, True)])
-def test_an_epoch_that_completes_a_restored_window_is_not_named(
-        epochs, named, tmp_path):
+@pytest.mark.parametrize("samples, saved_after, epochs, named", [
     # Saved after 3 of 4 micro-batches; the resumed epoch's one micro-batch
     # ends that window. A second epoch of one micro-batch is cut.
-    x, y = regression_data(samples=16)
+    (16, 3, 1, False), (16, 3, 2, True),
+    # Saved after 5 of 6 micro-batches (a window, then one of the last
+    # window's two); the rest of the epoch ends that window where the
+    # uninterrupted epoch ends it, short as the large batch's last batch.
+    (24, 5, 1, False)])
+def test_the_rest_of_an_epoch_after_a_restored_window_is_not_named(
+        samples, saved_after, epochs, named, tmp_path):
+    x, y = regression_data(samples=samples)
     file = weights_file(tmp_path, "mid")
     model = mlp(AccumulatingModel, n_gradients=4)
     model.compile(optimizer="sgd", loss="mse")
-    model.fit(x, y, batch_size=4, epochs=1, verbose=0,
-              callbacks=[AfterMicroBatch(3, lambda m: m.save_weights(file))])
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[
+        AfterMicroBatch(saved_after, lambda m: m.save_weights(file))])
     resumed = mlp(AccumulatingModel, n_gradients=4)
     resumed.compile(optimizer="sgd", loss="mse")
     resumed.optimizer.build(resumed.trainable_variables)
     resumed.load_weights(file)
-    assert resumed._accumulation.open_micro_steps() == 3
+    assert resumed._accumulation.open_micro_steps() == saved_after % 4
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        resumed.fit(x[12:], y[12:], batch_size=4, epochs=epochs, verbose=0)
+        resumed.fit(x[4 * saved_after:], y[4 * saved_after:], batch_size=4,
+                    epochs=epochs, verbose=0)
     cut = [str(w.message) for w in caught if "fewer than a window" in
            str(w.message)]
     assert len(cut) == named
-    assert iterations(resumed) == epochs
+    assert iterations(resumed) == saved_after // 4 + epochs
 
 
 def test_a_model_that_loads_plain_says_so_when_saved(tmp_path):
