@@ -739,7 +739,7 @@ def _interrupted_and_resumed(use, accumulating, compiled, fit, in_order,
             file = os.path.join(directory, "mid.weights.h5"
                                 if KERAS_MAJOR == 3 else "mid")
             save = AfterMicroBatch(use.resume_after,
-                                    lambda m: m.save_weights(file))
+                                   lambda m: m.save_weights(file))
         *_, messages = fit(accumulating, use.micro_batch, in_order,
                            callbacks=[save])
         with warnings.catch_warnings(record=True) as caught:

@@ -120,14 +120,16 @@ class WindowEnd:
             return whole_totals._replace(
                 gradient_sums=window.with_summed(gradient_totals))
 
-        # Every replica holds the same summed window (a variable Keras
-        # overwrites keeps its own, but those come with float8, which is
-        # refused under replicas): the checks need no communication.
-        loss_scale = scaling.current_scale() if scaling.active else None
-        passes = replicas.first_local(replicas.for_each_replica(
-            lambda sums: core_window.passes(
-                self.checks, config, whole_window(sums), loss_scale, TF_OPS),
-            gradient_totals)) if self.checks else tf.constant(True)
+        if self.checks:
+            # Every replica holds the same summed window (a variable Keras
+            # overwrites keeps its own, but those come with float8, which
+            # is refused under replicas): the checks need no communication.
+            loss_scale = scaling.current_scale() if scaling.active else None
+            passes = replicas.first_local(replicas.for_each_replica(
+                lambda sums: core_window.passes(
+                    self.checks, config, whole_window(sums), loss_scale,
+                    TF_OPS),
+                gradient_totals))
 
         def update():
             with (scaling.summed_gradients()
