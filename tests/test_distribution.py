@@ -3,6 +3,7 @@ two logical CPUs (TensorFlow), `keras.distribution.DataParallel` on two CPU
 devices (JAX)."""
 
 import contextlib
+import warnings
 
 import numpy as np
 import pytest
@@ -190,43 +191,61 @@ def _token_classifier(model_class, **kwargs):
     return model_class(inputs, keras.layers.Dense(4)(embedded), **kwargs)
 
 
-@pytest.mark.parametrize("loss", ["ignore_class", "sum", "sample_weights"])
+def _scalar_mean_token_loss(y_true, y_pred):
+    ops = keras.backend if ON_KERAS_2 else keras.ops
+    return ops.mean(keras.losses.sparse_categorical_crossentropy(
+        y_true, y_pred, from_logits=True))
+
+
+@pytest.mark.parametrize("loss", ["ignore_class", "sum", "sample_weights",
+                                  "scalar_own"])
 def test_evaluation_under_two_replicas_is_one_devices(loss, two_replicas):
     # Each replica's half of a batch has its own count of valid labels:
     # Keras's evaluation under a MirroredStrategy averaged the replicas'
-    # own means (1.3829 where one device gives 1.3909).
+    # own means (1.3829 where one device gives 1.3909). A loss of one's own
+    # that is one number for each replica's share (batches of 7 split 4
+    # and 3 on TensorFlow; JAX splits equally) is weighed by its samples,
+    # which count its elements here.
     rng = np.random.default_rng(0)
     x = rng.integers(0, 10, (24, 5))
     y = rng.integers(0, 4, (24, 5))
     y[:4, :4] = 0
     sample_weight = None
+    batch_size = (7 if loss == "scalar_own"
+                  and keras.backend.backend() == "tensorflow" else 8)
     options = dict(from_logits=True)
     if loss == "ignore_class":
         options["ignore_class"] = 0
     elif loss == "sum":
         options["reduction"] = "sum"
-    else:
+    elif loss == "sample_weights":
         # One weight a token (Keras takes no weight a sample here).
         sample_weight = np.repeat(
             np.where(np.arange(24) % 8 < 4, 3.0, 0.5)[:, None], 5, axis=1)
+
+    def make_loss():
+        if loss == "scalar_own":
+            return _scalar_mean_token_loss
+        return keras.losses.SparseCategoricalCrossentropy(**options)
+
     one_device = _token_classifier(keras.Model)
-    one_device.compile(
-        optimizer="sgd",
-        loss=keras.losses.SparseCategoricalCrossentropy(**options))
+    one_device.compile(optimizer="sgd", loss=make_loss())
     with two_replicas.scope():
         model = _token_classifier(AccumulatingModel, n_gradients=2)
-        model.compile(
-            optimizer="sgd",
-            loss=keras.losses.SparseCategoricalCrossentropy(**options))
-        history = model.fit(x, y, sample_weight=sample_weight, batch_size=4,
-                            epochs=1, shuffle=False, verbose=0,
-                            validation_data=(x, y, sample_weight),
-                            validation_batch_size=8)
+        model.compile(optimizer="sgd", loss=make_loss())
+        with warnings.catch_warnings():
+            # The scalar loss's warning in training.
+            warnings.simplefilter("ignore")
+            history = model.fit(x, y, sample_weight=sample_weight,
+                                batch_size=4, epochs=1, shuffle=False,
+                                verbose=0,
+                                validation_data=(x, y, sample_weight),
+                                validation_batch_size=batch_size)
         evaluated = model.evaluate(x, y, sample_weight=sample_weight,
-                                   batch_size=8, verbose=0)
+                                   batch_size=batch_size, verbose=0)
     one_device.set_weights(model.get_weights())
     expected = one_device.evaluate(x, y, sample_weight=sample_weight,
-                                   batch_size=8, verbose=0)
+                                   batch_size=batch_size, verbose=0)
     assert abs(evaluated - expected) <= TOLERANCE * abs(expected)
     assert (abs(history.history["val_loss"][0] - expected)
             <= TOLERANCE * abs(expected))

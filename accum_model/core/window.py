@@ -397,15 +397,6 @@ def with_estimates(state, estimates, ops, applied=True):
         noise_estimates=state.noise_estimates + count)
 
 
-def measured(config, state, applied, ops):
-    """The state with the window's noise estimates added to its epoch's
-    where it was `applied` (a skipped window is not measured)."""
-    if not config.measure_noise_scale:
-        return state
-    return with_estimates(state, window_estimates(config, state, ops), ops,
-                          applied)
-
-
 def reset(state, ops, zero_sums=None):
     """An empty window after `state`'s: it takes the next window's length,
     and keeps the epoch's counts and estimates. `zero_sums`, where given,
@@ -428,19 +419,78 @@ def reset(state, ops, zero_sums=None):
     )
 
 
-def skipped(state, ops, zero_sums=None):
-    """An empty window after one skipped for overflow."""
-    state = reset(state, ops, zero_sums)
-    return state._replace(skipped_windows=state.skipped_windows + 1)
+class WindowEnd(typing.NamedTuple):
+    """What a store does as its window ends (see `ended`).
+
+    Each bool is a Python bool where it is known when the step is traced
+    (a store then traces no condition for it), else a bool scalar.
+    """
+
+    # Hand the optimizer the window's mean gradient (`mean_gradients`).
+    applies: typing.Any
+    # Tell the loss scale of an overflow, as after a large batch skipped.
+    skips: typing.Any
+    # Log `loss` and move the pooled moving statistics: applied or
+    # skipped, as the large batch's forward pass does.
+    reports: typing.Any
+    # The window's loss, the large batch's.
+    loss: typing.Any
+    # The empty window after this one.
+    next_state: WindowState
 
 
-def closed(config, state, applied, ops, zero_sums=None):
-    """An empty window after `state`'s, decided in the traced step: an
-    `applied` window (a bool) is measured, one skipped for overflow is
-    counted."""
-    state = reset(measured(config, state, applied, ops), ops, zero_sums)
-    return state._replace(skipped_windows=state.skipped_windows + ops.cast(
-        ops.where(applied, 0, 1), ops.dtype_name(state.skipped_windows)))
+def ended(config, state, ops, verdict=True, has_samples=True,
+          estimates=None, zero_sums=None):
+    """The end of the window `state`: what the store does, and the window
+    after it.
+
+    Args:
+        config: The `WindowConfig`.
+        state: The `WindowState` at its end, summed over replicas where
+            there are several (the counters are each replica's own, equal
+            on all of them).
+        ops: The backend's `ArrayOps`.
+        verdict: Bool (or bool scalar): whether the window passes its
+            checks (`passes` with `end_checks`); one that fails is skipped
+            and counted in `skipped_windows`.
+        has_samples: Bool (or bool scalar): whether any micro-batch of the
+            window had a sample. A window of empty steps alone (the end of
+            data on some replicas) is emptied and nothing else.
+        estimates: The window's noise-scale estimates where the store sums
+            each replica's (`window_estimates`); None: `state`'s own.
+        zero_sums: Zero gradient sums the store holds already (see
+            `reset`), or None.
+    """
+    applies = _both(has_samples, verdict)
+    skips = _both(has_samples, _negated(verdict))
+    if config.measure_noise_scale:
+        if estimates is None:
+            estimates = window_estimates(config, state, ops)
+        state = with_estimates(state, estimates, ops, applies)
+    next_state = reset(state, ops, zero_sums)
+    if skips is not False:
+        next_state = next_state._replace(
+            skipped_windows=next_state.skipped_windows + ops.cast(
+                ops.where(skips, 1, 0),
+                ops.dtype_name(state.skipped_windows)))
+    return WindowEnd(applies=applies, skips=skips, reports=has_samples,
+                     loss=loss(config, state, ops), next_state=next_state)
+
+
+def _both(first, second):
+    """`first and second` for Python bools or bool scalars, a Python bool
+    where either is False or both are known."""
+    if first is False or second is False:
+        return False
+    if first is True:
+        return second
+    if second is True:
+        return first
+    return first & second
+
+
+def _negated(verdict):
+    return (not verdict) if isinstance(verdict, bool) else ~verdict
 
 
 def restored(state, counters, ops):

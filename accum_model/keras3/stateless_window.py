@@ -427,36 +427,31 @@ def end_window(accumulation, operands):
 
     checks = core_window.end_checks(scaling.active,
                                     accumulation.settings.may_overflow)
+    scale = (optimizer_values[scaling.scale_index()] if scaling.active
+             else None)
+    verdict = (core_window.passes(checks, config, state, scale, KERAS_OPS)
+               if checks else True)
+    emptied = core_window.ended(config, state, KERAS_OPS, verdict,
+                                zero_sums=zero_sums).next_state
     if scaling.active:
-        scale = optimizer_values[scaling.scale_index()]
-        fits = core_window.passes(checks, config, state, scale, KERAS_OPS)
-        emptied = core_window.closed(config, state, fits, KERAS_OPS,
-                                     zero_sums)
         # Keras's own LossScaleOptimizer unscales, checks, applies or
         # skips, and moves the scale, as after one large batch.
         # (Keras never scales what it overwrites with the "gradient".)
         trainable, optimizer_values = apply([
             g if overwrite or g is None
-            else ops.where(fits, g * ops.cast(scale, g.dtype), float("inf"))
+            else ops.where(verdict, g * ops.cast(scale, g.dtype),
+                           float("inf"))
             for g, overwrite in zip(mean_gradients(), config.overwrite)])
         return list(trainable), list(optimizer_values), emptied
 
-    def update(operands):
-        emptied = core_window.reset(core_window.measured(
-            config, state, True, KERAS_OPS), KERAS_OPS, zero_sums)
+    def update():
         trainable, optimizer_values = apply(mean_gradients())
         return list(trainable), list(optimizer_values), emptied
 
-    def skip(operands):
-        trainable, optimizer_values, state = operands
-        return trainable, optimizer_values, core_window.skipped(
-            state, KERAS_OPS, zero_sums)
-
-    if not checks:
-        return update(operands)
-    return _chosen(accumulation,
-                   core_window.passes(checks, config, state, None, KERAS_OPS),
-                   lambda: update(operands), lambda: skip(operands))
+    if verdict is True:
+        return update()
+    return _chosen(accumulation, verdict, update,
+                   lambda: (trainable, optimizer_values, emptied))
 
 
 def _chosen(accumulation, predicate, if_true, if_false):

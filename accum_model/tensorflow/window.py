@@ -253,11 +253,13 @@ class GradientWindow:
                 for total, used, kept in zip(
                     self.gradient_sums, self.has_gradient, self.overwrite)]
 
-    def reset(self):
-        """Empties the window (replica context)."""
+    def reset(self, next_state, state):
+        """Empties the window (replica context): zero sums, and the scalars
+        of `next_state` (`core.window.ended`'s), where they differ from
+        `state`, the window's as the end read it."""
         for total in self.gradient_sums:
             total.assign(tf.zeros_like(total))
-        self.update(lambda state: core_window.reset(state, TF_OPS))
+        self.write(next_state, state)
         self.statistics.reset()
         if tf.executing_eagerly():
             # Eager steps report gradients one micro step at a time; a trace

@@ -120,16 +120,34 @@ class WindowEnd:
             return whole_totals._replace(
                 gradient_sums=window.with_summed(gradient_totals))
 
+        verdict = True
         if self.checks:
             # Every replica holds the same summed window (a variable Keras
             # overwrites keeps its own, but those come with float8, which
             # is refused under replicas): the checks need no communication.
             loss_scale = scaling.current_scale() if scaling.active else None
-            passes = replicas.first_local(replicas.for_each_replica(
+            verdict = replicas.first_local(replicas.for_each_replica(
                 lambda sums: core_window.passes(
                     self.checks, config, whole_window(sums), loss_scale,
                     TF_OPS),
                 gradient_totals))
+        # On one replica a window ends only at a micro step with samples
+        # (its own), so it has some; across replicas a window of empty
+        # steps alone is discarded. Where that is known, no condition is
+        # traced: each one captures what it touches again.
+        end = core_window.ended(
+            config, whole_totals, TF_OPS, verdict,
+            has_samples=(True if self.strategy.num_replicas_in_sync == 1
+                         else total_samples > 0),
+            estimates=noise_totals if measures_noise else None)
+
+        def report_and_move_statistics():
+            if self.report_loss is not None and window.tracks_loss:
+                replicas.for_each_replica(
+                    lambda: self.report_loss(end.loss,
+                                             window.sample_sum.value()))
+            if statistics.calls:
+                replicas.for_each_replica(statistics.apply, statistics_totals)
 
         def update():
             with (scaling.summed_gradients()
@@ -139,45 +157,13 @@ class WindowEnd:
                     lambda sums: self._apply_window_gradient(
                         config, whole_window(sums)), gradient_totals)
             scaling.after_update()
-            # Windows skipped for overflow are not measured.
-            if measures_noise:
-                replicas.for_each_replica(lambda: window.update(
-                    lambda state: core_window.with_estimates(
-                        state, noise_totals, TF_OPS)))
 
-        def skip():
-            scaling.after_overflow()
-            replicas.for_each_replica(lambda: window.update(
-                lambda state: core_window.skipped(state, TF_OPS)))
-
-        def report_and_move_statistics():
-            # Logged whether the window is applied or skipped for overflow,
-            # as Keras logs the loss of a large batch it skips.
-            if self.report_loss is not None and window.tracks_loss:
-                window_loss = core_window.loss(config, whole_totals, TF_OPS)
-                replicas.for_each_replica(
-                    lambda: self.report_loss(window_loss,
-                                             window.sample_sum.value())
-                )
-            # The large batch's forward pass moves the moving statistics
-            # whether or not its update is then skipped for overflow.
-            if statistics.calls:
-                replicas.for_each_replica(statistics.apply, statistics_totals)
-
-        # On one replica a window ends only at a micro step with samples
-        # (its own), so it has some; across replicas a window of empty
-        # steps alone is discarded. Where that is known, no condition is
-        # traced: each one captures what it touches again.
-        has_samples = (True if self.strategy.num_replicas_in_sync == 1
-                       else total_samples > 0)
-        _run_when(has_samples, report_and_move_statistics)
         # Side by side rather than nested, for the same reason.
-        if self.checks:
-            _run_when(_both(has_samples, passes), update)
-            _run_when(_both(has_samples, tf.logical_not(passes)), skip)
-        else:
-            _run_when(has_samples, update)
-        replicas.for_each_replica(window.reset)
+        _run_when(end.reports, report_and_move_statistics)
+        _run_when(end.applies, update)
+        _run_when(end.skips, scaling.after_overflow)
+        replicas.for_each_replica(
+            lambda: window.reset(end.next_state, whole_totals))
 
     def _apply_window_gradient(self, config, whole_window):
         """Replica context: hands the window gradient to the optimizer.
@@ -245,15 +231,11 @@ def _apply_open_window(window_end):
 
 def _run_when(predicate, fn):
     """Runs `fn()` where the bool tensor `predicate` holds; always where it
-    is Python's True."""
+    is Python's True, never where it is False."""
     if predicate is True:
         fn()
-    else:
+    elif predicate is not False:
         tf.cond(predicate, replicas.without_result(fn), replicas.do_nothing)
-
-
-def _both(first, second):
-    return second if first is True else tf.logical_and(first, second)
 
 
 def _split_gradient_totals(reduced, start, summed_sums):

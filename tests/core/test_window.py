@@ -203,7 +203,7 @@ def test_a_reset_empties_the_window_and_keeps_the_epochs_counts():
     config = _config(measure_noise_scale=True)
     state = window.with_length(_state(length=2), 3, OPS)
     state = _add(_add(state, 0, 4.0, config=config), 1, 2.0, config=config)
-    state = window.measured(config, state, True, OPS)
+    state = window.ended(config, state, OPS).next_state
     state = state._replace(skipped_windows=np.int32(2))
     emptied = window.reset(state, OPS)
     assert all(np.all(s == 0) for s in emptied.gradient_sums)
@@ -214,26 +214,98 @@ def test_a_reset_empties_the_window_and_keeps_the_epochs_counts():
     assert float(emptied.noise_weight_sum) == 0.0
 
 
-def test_a_skipped_window_is_counted_and_emptied():
-    state = window.skipped(_add(_state(), 0, 4.0), OPS)
-    assert int(state.skipped_windows) == 1 and int(state.micro_steps) == 0
+# The window's end --------------------------------------------------------------
+
+@pytest.mark.parametrize("verdict", [True, False, np.bool_(True),
+                                     np.bool_(False)])
+def test_a_window_end_applies_and_measures_or_skips_and_counts(verdict):
+    config = _config(measure_noise_scale=True)
+    state = _add(_add(_state(), 0, 4.0, loss=2.0, config=config), 1, 2.0,
+                 loss=5.0, config=config)
+    end = window.ended(config, state, OPS, verdict)
+    applied = bool(verdict)
+    assert bool(end.applies) == applied and bool(end.skips) == (not applied)
+    # Known while tracing where the verdict is.
+    assert isinstance(end.applies, bool) == isinstance(verdict, bool)
+    assert end.reports is True
+    assert float(end.loss) == pytest.approx((4 * 2 + 2 * 5) / 6)
+    next_state = end.next_state
+    assert int(next_state.skipped_windows) == (0 if applied else 1)
+    assert float(next_state.noise_estimates) == (1.0 if applied else 0.0)
+    assert int(next_state.micro_steps) == 0
+    assert float(next_state.weight_sum) == 0.0
+    assert all(np.all(s == 0) for s in next_state.gradient_sums)
 
 
-@pytest.mark.parametrize("applied", [True, False])
-def test_a_window_closed_in_the_step_is_measured_or_counted(applied):
+def test_a_window_without_checks_always_applies_and_traces_no_condition():
+    end = window.ended(_config(), _add(_state(), 0, 1.0), OPS)
+    assert (end.applies, end.skips, end.reports) == (True, False, True)
+
+
+@pytest.mark.parametrize("verdict", [True, np.bool_(False)])
+def test_a_window_of_empty_steps_alone_is_emptied_and_nothing_else(verdict):
+    # Across replicas a window may hold only steps on empty batches (data
+    # of unknown length ran out on every replica): no update, no skip, no
+    # loss logged, no statistics moved, not measured.
+    config = _config(measure_noise_scale=True)
+    state = _add(_add(_state(), 0, 0.0, config=config), 1, 0.0,
+                 config=config)
+    end = window.ended(config, state, OPS, verdict,
+                       has_samples=np.bool_(False))
+    assert not bool(end.applies) and not bool(end.skips)
+    assert not bool(end.reports)
+    assert int(end.next_state.skipped_windows) == 0
+    assert float(end.next_state.noise_estimates) == 0.0
+    assert int(end.next_state.micro_steps) == 0
+
+
+def test_a_skipped_window_reports_so_statistics_move_as_the_large_batchs():
+    # The large batch's forward pass moves BatchNormalization's statistics
+    # even where its update is skipped for overflow: the window's end
+    # reports its pooled moments on a skip too, then empties them.
+    sums = [np.asarray([[2.0, 2.0], [1.0, 3.0], [1.0, 5.0]], "float32")]
+    state = _add(_state(statistics_sums=sums), 0, 2.0)
+    end = window.ended(_config(), state, OPS, np.bool_(False))
+    assert bool(end.reports) and bool(end.skips)
+    assert int(end.next_state.skipped_windows) == 1
+    assert all(np.all(s == 0) for s in end.next_state.statistics_sums)
+
+
+def test_the_float16_verdict_skips_a_window_whose_large_batch_overflows():
+    # Finite float32 sums whose large batch, scaled, leaves float16's range:
+    # the window's checks under loss scaling fail it and its end skips it.
+    config = _config(float16=(True, False))
+    state = _add(_state(), 0, 1.0)
+    state = state._replace(gradient_sums=[
+        np.full(SHAPES[0], 40000.0, "float32"),
+        np.zeros(SHAPES[1], "float32")])
+    checks = window.end_checks(loss_scaled=True,
+                               accumulators_may_overflow=False)
+    verdict = window.passes(checks, config, state, np.float32(2.0), OPS)
+    assert bool(window.is_finite(state, OPS)) and not bool(verdict)
+    end = window.ended(config, state, OPS, verdict)
+    assert bool(end.skips) and int(end.next_state.skipped_windows) == 1
+
+
+@pytest.mark.parametrize("steps_left", [1, -1])
+def test_an_epochs_end_ends_a_short_window_that_then_applies(steps_left):
+    state = window.with_epoch(_state(length=4), steps_left, OPS)
+    state = _add(state, 0, 2.0)
+    assert bool(window.ends(state)) == (steps_left == 1)
+    end = window.ended(_config(), state, OPS)
+    assert end.applies is True
+    assert int(end.next_state.length) == 4
+    assert int(end.next_state.steps_left_in_epoch) == steps_left - 1
+
+
+def test_estimates_summed_by_the_store_are_the_ones_counted():
     config = _config(measure_noise_scale=True)
     state = _add(_add(_state(), 0, 4.0, config=config), 1, 2.0,
                  config=config)
-    closed = window.closed(config, state, np.asarray(applied), OPS)
-    expected = (window.reset(window.measured(config, state, True, OPS), OPS)
-                if applied else window.skipped(state, OPS))
-    for name, value in expected._asdict().items():
-        pairs = (zip(getattr(closed, name), value) if isinstance(value, list)
-                 else [(getattr(closed, name), value)])
-        for got, want in pairs:
-            np.testing.assert_array_equal(got, want, name)
-    assert int(closed.skipped_windows) == (0 if applied else 1)
-    assert float(closed.noise_estimates) == (1.0 if applied else 0.0)
+    summed = [np.float32(3.0), np.float32(5.0), np.float32(2.0)]
+    end = window.ended(config, state, OPS, estimates=summed)
+    assert float(end.next_state.noise_trace_sum) == 3.0
+    assert float(end.next_state.noise_estimates) == 2.0
 
 
 def test_an_open_window_keeps_its_length_until_its_end():
@@ -337,7 +409,7 @@ def test_noise_estimates_are_the_hand_computed_ones():
     state = _state(length=3)
     for seed, weight in enumerate(weights):
         state = _add(state, seed, weight, config=config)
-    state = window.measured(config, state, True, OPS)
+    state = window.ended(config, state, OPS).next_state
     flat = [np.concatenate([g.ravel() for g in _gradients(seed)]).astype(
         "float64") for seed in range(3)]
     a = sum(v * (g @ g) for v, g in zip(weights, flat))
@@ -360,7 +432,8 @@ def test_windows_that_say_nothing_of_the_noise_are_not_counted(case):
         state = state._replace(noise_measurable=np.float32(0.0))
     for seed in range(1 if case == "one_micro_batch" else 2):
         state = _add(state, seed, 4.0, config=config)
-    state = window.measured(config, state, case != "skipped", OPS)
+    state = window.ended(config, state, OPS,
+                         verdict=case != "skipped").next_state
     assert float(state.noise_estimates) == 0.0
 
 
@@ -627,7 +700,7 @@ def test_counters_keep_the_stores_integer_dtype():
                               skipped_windows=np.int64(0))
     state = window.with_length(state, 2, OPS)
     state = window.with_epoch(state, 7, OPS)
-    state = window.closed(_config(), state, np.bool_(False), OPS)
+    state = window.ended(_config(), state, OPS, np.bool_(False)).next_state
     assert {np.asarray(getattr(state, name)).dtype.name for name in (
         "length", "next_length", "steps_left_in_epoch",
         "skipped_windows")} == {"int64"}
@@ -683,7 +756,8 @@ def test_a_reset_takes_the_stores_zero_sums_where_given():
     emptied = window.reset(state, OPS, zeros)
     assert all(a is b for a, b in zip(emptied.gradient_sums, zeros))
     assert int(emptied.micro_steps) == 0
-    skipped = window.skipped(state, OPS, zeros)
+    skipped = window.ended(_config(), state, OPS, np.bool_(False),
+                           zero_sums=zeros).next_state
     assert all(a is b for a, b in zip(skipped.gradient_sums, zeros))
     assert int(skipped.skipped_windows) == 1
 
