@@ -5,7 +5,8 @@ only communication a window costs is here: one reduction of the window's
 gradient sums together with its weight, samples, loss sum, noise-scale
 estimates and pooled batch statistics. The window's end checks
 (`core.window.end_checks`) then judge the summed window on every replica
-alike, with no further communication.
+alike, with no further communication, and `core.window.ended` says what
+follows: this store carries it out in its variables.
 """
 
 import contextlib
