@@ -13,7 +13,7 @@ mean over its own part of the micro-batch), so that its per-sample terms in
 the backward pass are the large batch's: a micro-batch overflows where the
 large batch would, not earlier. Its gradients are unscaled by the inverse.
 The window end also skips a window whose summed float16 gradient, scaled,
-leaves float16's range where the large batch's would (`WindowEnd`).
+leaves float16's range where the large batch's would (`window.end_checks`).
 
 Each Keras adapter's `LossScaling` subclasses `OptimizerDuties` and fills in
 its Keras's way of doing each duty, with the same methods: `is_built`,

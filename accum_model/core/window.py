@@ -419,7 +419,7 @@ def reset(state, ops, zero_sums=None):
     )
 
 
-class WindowEnd(typing.NamedTuple):
+class EndOfWindow(typing.NamedTuple):
     """What a store does as its window ends (see `ended`).
 
     Each bool is a Python bool where it is known when the step is traced
@@ -473,7 +473,7 @@ def ended(config, state, ops, verdict=True, has_samples=True,
             skipped_windows=next_state.skipped_windows + ops.cast(
                 ops.where(skips, 1, 0),
                 ops.dtype_name(state.skipped_windows)))
-    return WindowEnd(applies=applies, skips=skips, reports=has_samples,
+    return EndOfWindow(applies=applies, skips=skips, reports=has_samples,
                      loss=loss(config, state, ops), next_state=next_state)
 
 
