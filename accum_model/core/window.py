@@ -430,11 +430,10 @@ class EndOfWindow(typing.NamedTuple):
     applies: typing.Any
     # Tell the loss scale of an overflow, as after a large batch skipped.
     skips: typing.Any
-    # Log `loss` and move the pooled moving statistics: applied or
-    # skipped, as the large batch's forward pass does.
+    # Log the window's loss (`loss`) and move the pooled moving
+    # statistics: applied or skipped, as the large batch's forward pass
+    # does.
     reports: typing.Any
-    # The window's loss, the large batch's.
-    loss: typing.Any
     # The empty window after this one.
     next_state: WindowState
 
@@ -474,7 +473,7 @@ def ended(config, state, ops, verdict=True, has_samples=True,
                 ops.where(skips, 1, 0),
                 ops.dtype_name(state.skipped_windows)))
     return EndOfWindow(applies=applies, skips=skips, reports=has_samples,
-                     loss=loss(config, state, ops), next_state=next_state)
+                       next_state=next_state)
 
 
 def _both(first, second):

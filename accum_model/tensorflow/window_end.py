@@ -144,8 +144,9 @@ class WindowEnd:
 
         def report_and_move_statistics():
             if self.report_loss is not None and window.tracks_loss:
+                window_loss = core_window.loss(config, whole_totals, TF_OPS)
                 replicas.for_each_replica(
-                    lambda: self.report_loss(end.loss,
+                    lambda: self.report_loss(window_loss,
                                              window.sample_sum.value()))
             if statistics.calls:
                 replicas.for_each_replica(statistics.apply, statistics_totals)
