@@ -1,9 +1,10 @@
 """What every backend's micro step decides alike, in one place.
 
 The TensorFlow step, the JAX step and the PyTorch step each compute a
-micro-batch's loss and gradients their own way; whether the window divides
-its sums by its weight, and what the step adds to its logs, they take from
-here. Pure Python over what the step hands in; imports no Keras.
+micro-batch's loss and gradients their own way; what follows from how
+Keras reduced the loss (`loss_reduced`) and what the step adds to its logs
+(`logged`), they take from here. Pure Python over what the step hands in;
+imports no Keras.
 """
 
 from accum_model.core import class_tree
@@ -13,6 +14,28 @@ from accum_model.core import window
 # The log entry that counts the windows skipped because a gradient
 # overflowed.
 SKIPPED_WINDOWS = "skipped_windows"
+
+
+def loss_reduced(model, reductions, y_pred, get_mask, shape_ops):
+    """What a micro step settles once Keras has reduced its loss: the
+    model keeps the reductions for `micro_batch_weight`, a loss term that
+    one weight cannot serve is warned of, and the window's divisor is
+    decided. Returns whether the window divides by its weight
+    (`divides_by_weight`).
+
+    Args:
+        model: The accumulating model, in its training step.
+        reductions: One `divisor.Reduction` per loss term, as recorded.
+        y_pred: The predictions.
+        get_mask: Callable returning a tensor's Keras mask, or None.
+        shape_ops: The backend's `divisor.ShapeOps`.
+    """
+    model._traced_loss_reductions = reductions
+    divisor.warn_where_one_weight_cannot_serve(model, y_pred, get_mask,
+                                               shape_ops)
+    return divides_by_weight(type(model),
+                             model._accumulation.weight_from_batch_size,
+                             reductions)
 
 
 def divides_by_weight(model_class, weight_from_batch_size, reductions):
@@ -41,6 +64,10 @@ def shows_skipped_windows(loss_scaled, accumulators_may_overflow):
     return bool(window.end_checks(loss_scaled, accumulators_may_overflow))
 
 
-def with_skipped_windows(logs, skipped_windows):
-    """The step's `logs` with the count of skipped windows added."""
-    return {**logs, SKIPPED_WINDOWS: skipped_windows}
+def logged(logs, skipped_windows, loss_scaled, accumulators_may_overflow):
+    """The step's `logs`, with the count of skipped windows where a window
+    can be skipped (`shows_skipped_windows`). `skipped_windows` is a
+    callable returning the count, read only there."""
+    if not shows_skipped_windows(loss_scaled, accumulators_may_overflow):
+        return logs
+    return {**logs, SKIPPED_WINDOWS: skipped_windows()}

@@ -104,17 +104,14 @@ def accumulating_train_step(model, state, data):
             loss, (_, _, new_metrics) = model.stateless_compute_loss(
                 trainable, new_non_trainable, metrics_values, x=x, y=y,
                 y_pred=y_pred, sample_weight=sample_weight, training=True)
-        model._traced_loss_reductions = reductions
-        divisor.warn_where_one_weight_cannot_serve(
-            model, y_pred, losses.get_keras_mask, KERAS_SHAPES)
+        accumulation.divide_by_weight = micro_step.loss_reduced(
+            model, reductions, y_pred, losses.get_keras_mask, KERAS_SHAPES)
         # Read while `model.losses` still holds this pass's added losses.
         weight = jnp.asarray(
             model.micro_batch_weight(x, y, y_pred, sample_weight),
             jnp.float32)
         if layer_losses:
             model._losses_override.clear()
-        accumulation.divide_by_weight = micro_step.divides_by_weight(
-            type(model), accumulation.weight_from_batch_size, reductions)
         with optimizer_values_in_scope():
             scaled_loss = model.get_scaled_loss(loss)
         return scaled_loss, (
@@ -162,9 +159,9 @@ def accumulating_train_step(model, state, data):
     metrics_values = [
         _current(scope, variable) for variable in model.metrics_variables]
     accumulation._traced_window = None
-    if micro_step.shows_skipped_windows(accumulation.loss_scaling.active,
-                                        accumulation.settings.may_overflow):
-        logs = micro_step.with_skipped_windows(logs, window.skipped_windows)
+    logs = micro_step.logged(logs, lambda: window.skipped_windows,
+                             accumulation.loss_scaling.active,
+                             accumulation.settings.may_overflow)
     enforce = getattr(model, "_enforce_jax_state_sharding", None)
     if enforce is not None and accumulation.window_sharding is not None:
         # keras before 3.11 (checked on 3.10.0) jits the step without

@@ -75,13 +75,10 @@ def accumulating_train_step(model, data):
             losses.recording_loss_reductions(KERAS_SHAPES) as reductions:
         loss = model._compute_loss(x=x, y=y, y_pred=y_pred,
                                    sample_weight=sample_weight, training=True)
-    model._traced_loss_reductions = reductions
-    divisor.warn_where_one_weight_cannot_serve(
-        model, y_pred, losses.get_keras_mask, KERAS_SHAPES)
+    accumulation.divide_by_weight = micro_step.loss_reduced(
+        model, reductions, y_pred, losses.get_keras_mask, KERAS_SHAPES)
     weight = ops.cast(model.micro_batch_weight(x, y, y_pred, sample_weight),
                       "float32")
-    accumulation.divide_by_weight = micro_step.divides_by_weight(
-        type(model), accumulation.weight_from_batch_size, reductions)
     accumulation.tracks_loss = True
     variables = window.trainable_variables
     weight = ops.stop_gradient(weight)
@@ -105,12 +102,10 @@ def accumulating_train_step(model, data):
     if ends:
         model._loss_tracker.update_state(window_loss,
                                          sample_weight=window_samples)
-    logs = model.compute_metrics(x, y, y_pred, sample_weight)
-    if micro_step.shows_skipped_windows(accumulation.loss_scaling.active,
-                                        accumulation.settings.may_overflow):
-        logs = micro_step.with_skipped_windows(
-            logs, window.state.skipped_windows)
-    return logs
+    return micro_step.logged(
+        model.compute_metrics(x, y, y_pred, sample_weight),
+        lambda: window.state.skipped_windows,
+        accumulation.loss_scaling.active, accumulation.settings.may_overflow)
 
 
 class TorchModelDifferences:

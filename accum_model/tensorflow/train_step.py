@@ -49,14 +49,13 @@ def train_step(model, data, details):
             loss = details.compute_loss(
                 model, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight
             )
-        model._traced_loss_reductions = reductions
         # Every weight exists now; loss scaling reads the window.
         accumulation.ensure_state(
             model.trainable_variables, model.distribute_strategy,
             [record.call for record in statistics],
         )
-        divide_by_weight = micro_step.divides_by_weight(
-            type(model), accumulation.weight_from_batch_size, reductions)
+        divide_by_weight = micro_step.loss_reduced(
+            model, reductions, y_pred, details.get_keras_mask, TF_SHAPES)
         accumulation.window.divide_by_weight = divide_by_weight
         scaled_loss = model.get_scaled_loss(loss)
     window = accumulation.window
@@ -70,16 +69,14 @@ def train_step(model, data, details):
     weight = tf.cast(
         model.micro_batch_weight(x, y, y_pred, sample_weight), tf.float32
     )
-    divisor.warn_where_one_weight_cannot_serve(
-        model, y_pred, details.get_keras_mask, TF_SHAPES)
     # The loss in logs is the window's, logged once when it ends.
     accumulation.add_micro_batch(gradients, weight, batch_size,
                                  divide_by_weight=divide_by_weight, loss=loss,
                                  statistics=statistics)
-    logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-    if accumulation.window_end.shows_skipped_windows:
-        logs = micro_step.with_skipped_windows(
-            logs, window.skipped_windows.value())
+    logs = micro_step.logged(
+        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight),
+        window.skipped_windows.value, accumulation.loss_scaling.active,
+        accumulation.settings.may_overflow)
     return details.logs_for_reduction(logs, model.distribute_strategy)
 
 

@@ -14,7 +14,6 @@ import functools
 
 import tensorflow as tf
 
-from accum_model.core import micro_step
 from accum_model.core import window as core_window
 from accum_model.tensorflow import replicas
 from accum_model.tensorflow.ops import TF_OPS
@@ -46,8 +45,6 @@ class WindowEnd:
         self.run_eagerly = run_eagerly
         self.checks = core_window.end_checks(loss_scaling.active,
                                              accumulators_may_overflow)
-        self.shows_skipped_windows = micro_step.shows_skipped_windows(
-            loss_scaling.active, accumulators_may_overflow)
         self.report_loss = report_loss
         self.float16_gradients = float16_gradients
         self._apply_open_functions = {}

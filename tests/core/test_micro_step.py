@@ -1,7 +1,8 @@
 """What every backend's micro step decides alike (`core.micro_step`), on
-plain Python: whether the window divides by its weight, and the skipped
-windows' log entry."""
+plain Python: whether the window divides by its weight, what a step keeps
+of its loss's reductions, and the skipped windows' log entry."""
 
+import numpy as np
 import pytest
 
 from accum_model.core import divisor
@@ -64,8 +65,56 @@ def test_the_logs_count_skips_exactly_where_the_end_checks(loss_scaled,
         window.end_checks(loss_scaled, narrow))
 
 
-def test_the_skipped_windows_entry_joins_the_logs_without_changing_them():
+@pytest.mark.parametrize("loss_scaled", [False, True])
+def test_the_logs_count_skips_only_where_a_window_can_be_skipped(
+        loss_scaled):
     logs = {"loss": 0.5}
-    shown = micro_step.with_skipped_windows(logs, 2)
-    assert shown == {"loss": 0.5, micro_step.SKIPPED_WINDOWS: 2}
+    reads = []
+
+    def skipped_windows():
+        reads.append(True)
+        return 2
+
+    shown = micro_step.logged(logs, skipped_windows, loss_scaled, False)
+    if loss_scaled:
+        assert shown == {"loss": 0.5, micro_step.SKIPPED_WINDOWS: 2}
+    else:
+        # Not even read: a step that cannot skip reads no counter.
+        assert shown == logs and not reads
     assert logs == {"loss": 0.5}
+
+
+class _Accumulation:
+    weight_from_batch_size = False
+
+    def __init__(self):
+        self.elements_per_sample_seen = {}
+        self.warnings = []
+
+    def warn_once(self, message, *args, **kwargs):
+        self.warnings.append(message)
+
+
+_NUMPY_SHAPES = divisor.ShapeOps(
+    convert=np.asarray, count=lambda t: np.float32(np.size(t)),
+    count_true=lambda m: np.float32(np.sum(m)),
+    first_dimension=lambda t: np.shape(t)[0],
+    leading_elements=lambda t: np.float32(np.prod(np.shape(t)[:-1])),
+    flatten=lambda s: list(s) if isinstance(s, (list, tuple)) else [s],
+    to_float32=np.float32)
+
+
+def test_a_reduced_loss_is_kept_for_the_weight_and_decides_the_divisor():
+    model = Subclass()
+    model._accumulation = _Accumulation()
+    model.losses = []
+    model._flatten_layers = lambda: [model]
+    y_pred = np.zeros((4, 3), "float32")
+    summed = _reductions("sum")
+    assert not micro_step.loss_reduced(model, summed, y_pred,
+                                       lambda output: None, _NUMPY_SHAPES)
+    assert model._traced_loss_reductions is summed
+    assert micro_step.loss_reduced(
+        model, _reductions("sum_over_batch_size"), y_pred,
+        lambda output: None, _NUMPY_SHAPES)
+    assert not model._accumulation.warnings
