@@ -74,7 +74,7 @@ def check_keyword_arguments(model_class, kwargs, functional, own_arguments):
         model_class, class_tree.accumulating_base(model_class)
     ):
         return
-    allowed = adapter.model_keyword_arguments(functional)
+    allowed = adapter.loop.model_keyword_arguments(functional)
     unknown = [name for name in kwargs if name not in allowed]
     if not unknown:
         return
@@ -150,7 +150,7 @@ def samples_in(x):
 
 def check_steps_per_execution(model):
     """Refuses executions of several steps where Keras can cut one short."""
-    steps = adapter.steps_per_execution(model)
+    steps = adapter.loop.steps_per_execution(model)
     if steps > 1 and not adapter.executions_stop_cleanly_at_end_of_data():
         raise ValueError(
             f"{adapter.STEPS_PER_EXECUTION_FIX}. Received: "
@@ -170,7 +170,7 @@ def check_no_foreign_layers(model):
     # Each foreign layer once, by its shortest path (Keras 2 also lists
     # tracked attributes in containers of its own).
     shortest = {}
-    for layer in adapter.layers_of(model):
+    for layer in class_tree.layers_of(model):
         for path, item in _attribute_values(layer):
             if adapter.is_foreign_layer(item):
                 known = shortest.get(id(item), (None, path))[1]
@@ -295,7 +295,7 @@ def warn_if_batch_statistics_differ(model, warn):
     """
     warn_if_wrapped_modules_keep_batch_statistics(model, warn)
     training = [
-        layer for layer in adapter.layers_of(model)
+        layer for layer in class_tree.layers_of(model)
         if layer is not model and layer.trainable and any(
             cls.__name__.startswith("BatchNormalization")
             or cls.__name__ == "SyncBatchNormalization"
@@ -370,7 +370,7 @@ def warn_if_wrapped_modules_keep_batch_statistics(model, warn):
         warn: Callable taking a message, warning once per model.
     """
     found = []
-    for layer in adapter.layers_of(model):
+    for layer in class_tree.layers_of(model):
         module = getattr(layer, "module", None)
         named_modules = getattr(module, "named_modules", None)
         if layer is model or not callable(named_modules):
@@ -407,7 +407,7 @@ def warn_if_layers_add_losses(model, warn):
         warn: Callable taking a message, warning once per model.
     """
     adding = sorted(
-        layer.name for layer in adapter.layers_of(model)
+        layer.name for layer in class_tree.layers_of(model)
         if "add_loss" in _names_reached_from_call(type(layer))
     )
     if adding:
@@ -446,7 +446,7 @@ def warn_if_activity_penalties_are_not_sums(model, warn):
         warn: Callable taking a message, warning once per model.
     """
     not_sums = []
-    for layer in adapter.layers_of(model):
+    for layer in class_tree.layers_of(model):
         regularizer = getattr(layer, "activity_regularizer", None)
         if regularizer is None or class_tree.is_keras_class(
                 type(regularizer)):
@@ -548,7 +548,7 @@ def warn_if_layers_write_variables(model, warn):
     """
     own_step = _has_own_step(model)
     writing = sorted(
-        layer.name for layer in adapter.layers_of(model)
+        layer.name for layer in class_tree.layers_of(model)
         if set(_VARIABLE_WRITES) & _names_reached_from_call(type(layer))
         or adapter.writes_variables_per_micro_batch(layer, own_step)
     )
@@ -592,7 +592,7 @@ def warn_if_layers_carry_state(model, warn):
         warn: Callable taking a message, warning once per model.
     """
     stateful = sorted(
-        layer.name for layer in adapter.layers_of(model)
+        layer.name for layer in class_tree.layers_of(model)
         if getattr(layer, "stateful", False) is True
         and not isinstance(layer, adapter.keras.Model))
     if stateful:
@@ -622,7 +622,7 @@ def warn_if_float16_weights_have_several_uses(model, warn):
     if not adapter.LossScaling(model.optimizer).active:
         return
     reused = sorted(
-        layer.name for layer in adapter.layers_of(model)
+        layer.name for layer in class_tree.layers_of(model)
         if layer is not model and layer.trainable
         and layer.trainable_weights
         and getattr(layer, "compute_dtype", None) == "float16"
@@ -642,7 +642,7 @@ def warn_if_accumulators_round_float64_weights(model, warn):
         warn: Callable taking a message, warning once per model.
     """
     dtype = model._accumulation.settings.accumulator_dtype
-    wide = sorted({layer.name for layer in adapter.layers_of(model)
+    wide = sorted({layer.name for layer in class_tree.layers_of(model)
                    if layer is not model and layer.trainable
                    and (layer.trainable_weights or not layer.built)
                    and _dtype_name(getattr(layer, "dtype", None))

@@ -137,4 +137,4 @@ def _clones_keep_accumulating(clone_sequential):
     return clone_sequential_keeping_accumulation
 
 
-adapter.wrap_sequential_cloning(_clones_keep_accumulating)
+adapter.saving.wrap_sequential_cloning(_clones_keep_accumulating)

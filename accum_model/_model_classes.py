@@ -93,7 +93,7 @@ def with_settings_for_clones(cls, settings):
         cls = cls.__bases__[0]  # Settings bound before: replaced, not added.
     requested = requested_class(cls)
     base = class_tree.accumulating_base(requested)
-    through_constructor = adapter.clones_through_constructor(requested, base)
+    through_constructor = adapter.saving.clones_through_constructor(requested, base)
     if through_constructor and not settings:
         return cls
     key = (cls, repr(sorted(settings.items())))
@@ -137,7 +137,7 @@ def claim_functional_constructor(subclass, requested, init=None):
     own, or one claimed here); Keras 3 needs nothing (it accepts
     `*args, **kwargs`).
     """
-    signature = adapter.functional_constructor_signature()
+    signature = adapter.saving.functional_constructor_signature()
     passes_everything_on = requested.__init__ is (
         class_tree.accumulating_base(requested).__init__
     ) or getattr(requested.__init__, "_accum_model_claimed", False)
@@ -167,7 +167,7 @@ def subclass_like(like, bases, namespace=None, generated=True,
             **(namespace or {}),
         },
     )
-    adapter.serialize_as(subclass, serialized_as or like)
+    adapter.saving.serialize_as(subclass, serialized_as or like)
     return subclass
 
 

@@ -114,8 +114,8 @@ class WindowCallback(keras.callbacks.Callback):
         params = getattr(self, "params", None)
         steps = params.get("steps") if params else None
         if steps:
-            steps = adapter.micro_steps_in_epoch(
-                steps, adapter.steps_per_execution(model)
+            steps = adapter.loop.micro_steps_in_epoch(
+                steps, adapter.loop.steps_per_execution(model)
             )
         model._accumulation.start_epoch(steps, epoch)
         length = model._accumulation.window_length()
@@ -134,13 +134,13 @@ class WindowCallback(keras.callbacks.Callback):
         if self._epoch is not None and self._training_loss is None:
             self.apply_if_epoch_ends_window()
             # `evaluate()` resets the tracker right after this hook.
-            self._training_loss = adapter.logged_loss_totals(
+            self._training_loss = adapter.losses.logged_loss_totals(
                 self.accumulating_model)
 
     def on_epoch_end(self, epoch, logs=None):
         self.apply_if_epoch_ends_window()
         if self._training_loss is None:
-            self._training_loss = adapter.logged_loss_totals(
+            self._training_loss = adapter.losses.logged_loss_totals(
                 self.accumulating_model)
         self.log_window_loss(logs)
         self.log_skipped_windows(logs)
@@ -167,10 +167,10 @@ class WindowCallback(keras.callbacks.Callback):
         """Applies the open window; its loss joins the epoch's training
         loss where that was read before (validation ran since)."""
         model = self.accumulating_model
-        before = adapter.logged_loss_totals(model)
+        before = adapter.losses.logged_loss_totals(model)
         model.apply_open_window()
         if self._training_loss is not None and before is not None:
-            after = adapter.logged_loss_totals(model)
+            after = adapter.losses.logged_loss_totals(model)
             self._training_loss = tuple(
                 kept + now - then
                 for kept, now, then in zip(self._training_loss, after, before))
@@ -218,7 +218,7 @@ class WindowCallback(keras.callbacks.Callback):
         and the progress bar and callbacks would read 0: they read the loss
         of the epoch's micro-batches so far."""
         model = self.accumulating_model
-        totals = adapter.logged_loss_totals(model)
+        totals = adapter.losses.logged_loss_totals(model)
         loss = (None if totals is None or totals[1] > 0
                 else model._accumulation.loss_since(self._loss_start))
         if loss is None:

@@ -34,7 +34,7 @@ def _computing_losses_per_replica(train_step):
 
     @functools.wraps(train_step)
     def train_step_of_the_window(self, *args, **kwargs):
-        with adapter.losses_not_divided_by_replicas():
+        with adapter.losses.losses_not_divided_by_replicas():
             return train_step(self, *args, **kwargs)
 
     return train_step_of_the_window
@@ -426,7 +426,7 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
             accumulation.check_window_fits(self.trainable_variables)
             accumulation.set_up(
                 adapter.LossScaling(self.optimizer), self.run_eagerly,
-                report_loss=functools.partial(adapter.track_loss, self),
+                report_loss=functools.partial(adapter.losses.track_loss, self),
                 float16_gradients=functools.partial(
                     adapter.float16_gradient_flags, self),
             )
@@ -519,4 +519,4 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
 
 
 # Keras 2 writes the plain class name into `.h5` files and JSON.
-adapter.register_plain_name(AccumulatingModel)
+adapter.saving.register_plain_name(AccumulatingModel)

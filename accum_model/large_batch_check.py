@@ -334,7 +334,7 @@ def _rounded_to_16_bits(model):
     of the layers before it (every weight of a model of another kind)."""
     def computes_in_16_bits(layer):
         return any(str(inner.compute_dtype) in _EPSILON_16
-                   for inner in adapter.layers_of(layer))
+                   for inner in class_tree.layers_of(layer))
 
     weights = model.weights
     ordered = isinstance(model, (adapter.Functional, keras.Sequential))
@@ -482,11 +482,11 @@ def _copy(model):
     lifted: the model is the caller's own, in this process (a `Lambda`'s
     Python function, a `TorchModuleWrapper`'s module)."""
     classes = {type(layer).__name__: type(layer)
-               for layer in adapter.layers_of(model)}
+               for layer in class_tree.layers_of(model)}
     errors = []
-    with adapter.unsafe_deserialization(), \
+    with adapter.saving.unsafe_deserialization(), \
             keras.utils.custom_object_scope(classes), \
-            adapter.compiled_state_hidden(model):
+            adapter.saving.compiled_state_hidden(model):
         for make in (keras.models.clone_model,
                      lambda model: type(model).from_config(
                          model.get_config())):
@@ -563,7 +563,7 @@ def _coarsest_compute_dtype(model):
     """bfloat16 or float16 where a layer of `model` computes in it
     (bfloat16, the coarser, where both do), else float32."""
     computed = {str(layer.compute_dtype)
-                for layer in adapter.layers_of(model)}
+                for layer in class_tree.layers_of(model)}
     return next((dtype for dtype in ("bfloat16", "float16")
                  if dtype in computed), "float32")
 
@@ -573,7 +573,7 @@ def _random_layers(model):
     with a rate above 0 (which the check can set to 0), and those holding a
     random generator with no rate to read (each may or may not draw)."""
     switchable, unswitchable = [], []
-    for layer in adapter.layers_of(model)[1:]:
+    for layer in class_tree.layers_of(model)[1:]:
         if not (_is_random_class(layer)
                 or adapter.draws_random_numbers(layer)):
             continue
@@ -658,7 +658,7 @@ def _sparse_row_stray(model):
     optimizer that applies a repeated row's occurrences one at a time, or
     clipped by values or norms taken over the occurrences."""
     strays = adapter.SPARSE_ROW_STRAYS
-    embeddings = [layer.name for layer in adapter.layers_of(model)[1:]
+    embeddings = [layer.name for layer in class_tree.layers_of(model)[1:]
                   if type(layer).__name__ == "Embedding"
                   and layer.trainable]
     optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)

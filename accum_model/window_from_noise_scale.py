@@ -138,7 +138,7 @@ class WindowFromNoiseScale(keras.callbacks.Callback):
         if (self.learning_rate is not None
                 and getattr(model, "optimizer", None) is not None):
             try:
-                adapter.scalable_learning_rate(model)
+                adapter.learning_rate.scalable_learning_rate(model)
             except ValueError:
                 pass  # Refused by `on_train_begin`, with the callbacks'.
 
@@ -171,7 +171,7 @@ class WindowFromNoiseScale(keras.callbacks.Callback):
         if self.start_n_gradients is None:
             self.start_n_gradients = n_gradients
         if self.learning_rate is not None:
-            self._scaled = adapter.scalable_learning_rate(model)
+            self._scaled = adapter.learning_rate.scalable_learning_rate(model)
             if self._scaled is None:
                 raise ValueError(
                     f"learning_rate={self.learning_rate!r} scales a float "
@@ -251,7 +251,7 @@ class WindowFromNoiseScale(keras.callbacks.Callback):
                 float("nan") if self.smoothed_noise_scale is None
                 else self.smoothed_noise_scale)
             logs["window_n_gradients"] = model.n_gradients
-            learning_rate = adapter.learning_rate_of(model.optimizer)
+            learning_rate = adapter.learning_rate.learning_rate_of(model.optimizer)
             logs["window_learning_rate"] = (
                 float("nan") if learning_rate is None else learning_rate)
 

@@ -268,6 +268,73 @@ def test_the_chooser_picks_one_adapter_per_keras_and_backend():
 def test_each_adapter_answers_what_the_layers_above_ask(adapter_class):
     asked = _asked_of("adapter", [m for m in MODULES if _floor(m) >= 3])
     if adapter_class in ("TensorFlowAdapter", "Keras2Adapter"):
-        asked |= _asked_of("details", ["accum_model.tensorflow.train_step"])
+        asked |= _asked_of("adapter", ["accum_model.tensorflow.train_step"])
     missing = asked - _offered_by(adapter_class)
     assert not missing, f"{adapter_class} lacks {sorted(missing)}"
+
+
+def _declared_parts():
+    """`Adapter.PARTS`, read from core/adapter.py."""
+    tree = ast.parse(MODULES["accum_model.core.adapter"].read_text())
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Assign)
+                and getattr(node.targets[0], "id", None) == "PARTS"):
+            return ast.literal_eval(node.value)
+    raise AssertionError("core/adapter.py declares no PARTS")
+
+
+def _part_modules(class_name):
+    """Each part an adapter class (or a base of it) sets, by the module it
+    names: `losses = losses` after `from accum_model.keras3 import losses`."""
+    found = {}
+    pending = [class_name]
+    while pending:
+        name = pending.pop()
+        for module, bases, _ in _classes().get(name, []):
+            tree = ast.parse(MODULES[module].read_text())
+            imported = {alias.asname or alias.name: f"{node.module}.{alias.name}"
+                        for node in tree.body
+                        if isinstance(node, ast.ImportFrom) and node.module
+                        for alias in node.names}
+            body = next(node.body for node in tree.body
+                        if isinstance(node, ast.ClassDef) and node.name == name)
+            for item in body:
+                if (isinstance(item, ast.Assign)
+                        and isinstance(item.value, ast.Name)
+                        and getattr(item.targets[0], "id", None)
+                        == item.value.id and item.value.id in imported):
+                    found.setdefault(item.value.id, imported[item.value.id])
+            pending += bases
+    return found
+
+
+def _top_level_names(module):
+    names = set()
+    for node in ast.parse(MODULES[module].read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {getattr(t, "id", None) for t in node.targets}
+    return names
+
+
+@pytest.mark.parametrize("adapter_class", _chosen_adapters())
+def test_each_adapters_parts_hold_what_the_layers_above_call(adapter_class):
+    parts = _declared_parts()
+    modules = _part_modules(adapter_class)
+    assert set(parts) <= set(modules), (
+        f"{adapter_class} sets no part {sorted(set(parts) - set(modules))}")
+    for part, names in parts.items():
+        missing = set(names) - _top_level_names(modules[part])
+        assert not missing, f"{modules[part]} lacks {sorted(missing)}"
+    # And the layers above call nothing of a part that `PARTS` does not
+    # name.
+    for module in MODULES:
+        for node in ast.walk(ast.parse(MODULES[module].read_text())):
+            if (isinstance(node, ast.Attribute)
+                    and isinstance(node.value, ast.Attribute)
+                    and getattr(node.value.value, "id", None) == "adapter"
+                    and node.value.attr in parts):
+                assert node.attr in parts[node.value.attr], (
+                    f"{module} calls adapter.{node.value.attr}.{node.attr}, "
+                    "which Adapter.PARTS does not name")

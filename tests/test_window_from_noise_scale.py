@@ -309,7 +309,7 @@ def test_a_rule_scales_a_schedule_as_the_large_batch(replicas, request):
     # `__array__`, which NumPy 2 deprecates for torch's tensors.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        adapter.learning_rate_of(model.optimizer)
+        adapter.learning_rate.learning_rate_of(model.optimizer)
         model.optimizer.get_config()
     assert not [(w.filename, w.lineno, str(w.message)) for w in caught if "__array__" in str(w.message)]
     reference = _linear_model(keras.Model)

@@ -14,29 +14,40 @@ A subclass also gives:
 
 * `keras`, the Keras package that trains; `Functional`, its functional
   model class; `LOSS_REDUCTIONS`, the loss reductions it knows.
+* Its parts (`PARTS`): the Keras's own modules by concern, `losses`,
+  `saving`, `learning_rate` and `loop`, each holding the functions
+  `PARTS` names; the layers above call them through the part
+  (`adapter.saving.serialize_as(...)`).
 * The window's classes: `Accumulation` (the model holds one),
   `LossScaling` (a `LossScaleOptimizer` taken apart for windows),
   `ModelDifferences` (mixed into the model class) and `WindowCheckpoint`.
 * The step: `accumulating_train_step`, `default_micro_batch_weight`,
   `accumulate_gradients` (a stateful step) or
   `stateless_accumulate_gradients` (a stateless one; the base refuses
-  the hook the step does not use), `track_loss`,
-  `logged_loss_totals`, `float16_gradient_flags`, `check_strategy`.
+  the hook the step does not use), `float16_gradient_flags`,
+  `check_strategy`.
 * Values: `value_of_call(function, array)`, a function of a NumPy array
   as the backend's tensor, as a float.
-* Keras's loop and files: `layers_of`, `steps_per_execution`,
-  `micro_steps_in_epoch`, `model_keyword_arguments`, `learning_rate_of`,
-  `scalable_learning_rate`, `serialize_as`, `register_plain_name`,
-  `clones_through_constructor`, `functional_constructor_signature`,
-  `wrap_sequential_cloning`, `unsafe_deserialization`,
-  `compiled_state_hidden`.
 """
-
-from accum_model.core import class_tree
-
 
 class Adapter:
     """The answers most stacks share; see the module's docstring."""
+
+    # The functions each part (a module of the Keras in use) holds.
+    PARTS = {
+        "losses": ("compute_loss", "get_keras_mask", "logged_loss_totals",
+                   "loss_logged_by_window", "losses_not_divided_by_replicas",
+                   "track_loss"),
+        "saving": ("clones_through_constructor",
+                   "functional_constructor_signature", "register_plain_name",
+                   "serialize_as", "unsafe_deserialization",
+                   "compiled_state_hidden", "wrap_sequential_cloning"),
+        "learning_rate": ("learning_rate_of", "scalable_learning_rate"),
+        "loop": ("micro_steps_in_epoch", "model_keyword_arguments",
+                 "steps_per_execution"),
+    }
+    # Each set by a subclass to its Keras's module of that name.
+    losses = saving = learning_rate = loop = None
 
     # What a run of the train function raises when the data has run out.
     END_OF_DATA_ERRORS = ()
@@ -56,8 +67,6 @@ class Adapter:
     # replicas under a strategy (its loss tracker weighs each replica's
     # share by its samples).
     SUMS_LOGGED_PER_REPLICA = False
-
-    layers_of = staticmethod(class_tree.layers_of)
 
     @staticmethod
     def executions_stop_cleanly_at_end_of_data():

@@ -41,38 +41,20 @@ class Keras2Adapter(Adapter):
 
     unpack_x_y_sample_weight = staticmethod(
         keras.utils.unpack_x_y_sample_weight)
-    compute_loss = staticmethod(losses.compute_loss)
-    get_keras_mask = staticmethod(losses.get_keras_mask)
-    logged_loss_totals = staticmethod(losses.logged_loss_totals)
-    loss_logged_by_window = staticmethod(losses.loss_logged_by_window)
-    losses_not_divided_by_replicas = staticmethod(
-        losses.losses_not_divided_by_replicas)
+    losses = losses
+    saving = saving
+    learning_rate = learning_rate
+    loop = loop
     recording_loss_reductions = staticmethod(
         losses.recording_loss_reductions)
-    track_loss = staticmethod(losses.track_loss)
     recording_batch_statistics = staticmethod(
         normalization.recording_batch_statistics)
     check_optimizer = staticmethod(optimizer.check_optimizer)
     float16_gradient_flags = staticmethod(optimizer.float16_gradient_flags)
-    learning_rate_of = staticmethod(learning_rate.learning_rate_of)
-    scalable_learning_rate = staticmethod(
-        learning_rate.scalable_learning_rate)
-    clones_through_constructor = staticmethod(
-        saving.clones_through_constructor)
-    functional_constructor_signature = staticmethod(
-        saving.functional_constructor_signature)
-    register_plain_name = staticmethod(saving.register_plain_name)
-    serialize_as = staticmethod(saving.serialize_as)
-    unsafe_deserialization = staticmethod(saving.unsafe_deserialization)
-    compiled_state_hidden = staticmethod(saving.compiled_state_hidden)
-    wrap_sequential_cloning = staticmethod(saving.wrap_sequential_cloning)
     check_strategy = staticmethod(loop.check_strategy)
     foreign_variables_in_graph = staticmethod(
         loop.foreign_variables_in_graph)
     is_foreign_layer = staticmethod(loop.is_foreign_layer)
-    micro_steps_in_epoch = staticmethod(loop.micro_steps_in_epoch)
-    model_keyword_arguments = staticmethod(loop.model_keyword_arguments)
-    steps_per_execution = staticmethod(loop.steps_per_execution)
     replicas_in_sync = staticmethod(tf_step.replicas_in_sync)
     accumulate_gradients = staticmethod(tf_step.accumulate_gradients)
 
@@ -104,12 +86,12 @@ class Keras2Adapter(Adapter):
         return logs
 
     def accumulating_train_step(self, model, data):
-        return tf_step.train_step(model, data, details=self)
+        return tf_step.train_step(model, data, adapter=self)
 
     def evaluating_like_one_device(self, model, test_function):
         return tf_step.evaluating_like_one_device(model, test_function,
-                                                  details=self)
+                                                  adapter=self)
 
     def default_micro_batch_weight(self, model, x, y_pred):
         return tf_step.default_micro_batch_weight(model, x, y_pred,
-                                                  details=self)
+                                                  adapter=self)

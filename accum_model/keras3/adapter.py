@@ -25,31 +25,13 @@ class Keras3Adapter(Adapter):
     Functional = Functional
     LOSS_REDUCTIONS = losses.LOSS_REDUCTIONS
 
-    compute_loss = staticmethod(losses.compute_loss)
-    get_keras_mask = staticmethod(losses.get_keras_mask)
-    logged_loss_totals = staticmethod(losses.logged_loss_totals)
-    loss_logged_by_window = staticmethod(losses.loss_logged_by_window)
-    losses_not_divided_by_replicas = staticmethod(
-        losses.losses_not_divided_by_replicas)
-    track_loss = staticmethod(losses.track_loss)
+    losses = losses
+    saving = saving
+    learning_rate = learning_rate
+    loop = loop
     pools_moving_statistics = staticmethod(
         normalization.pools_moving_statistics)
     float16_gradient_flags = staticmethod(optimizer.float16_gradient_flags)
-    learning_rate_of = staticmethod(learning_rate.learning_rate_of)
-    scalable_learning_rate = staticmethod(
-        learning_rate.scalable_learning_rate)
-    clones_through_constructor = staticmethod(
-        saving.clones_through_constructor)
-    functional_constructor_signature = staticmethod(
-        saving.functional_constructor_signature)
-    register_plain_name = staticmethod(saving.register_plain_name)
-    serialize_as = staticmethod(saving.serialize_as)
-    unsafe_deserialization = staticmethod(saving.unsafe_deserialization)
-    compiled_state_hidden = staticmethod(saving.compiled_state_hidden)
-    wrap_sequential_cloning = staticmethod(saving.wrap_sequential_cloning)
-    micro_steps_in_epoch = staticmethod(loop.micro_steps_in_epoch)
-    model_keyword_arguments = staticmethod(loop.model_keyword_arguments)
-    steps_per_execution = staticmethod(loop.steps_per_execution)
 
     @staticmethod
     def value_of_call(function, array):

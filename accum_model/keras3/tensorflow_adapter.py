@@ -203,7 +203,7 @@ class TensorFlowAdapter(Keras3Adapter):
 
     def evaluating_like_one_device(self, model, test_function):
         return tf_step.evaluating_like_one_device(model, test_function,
-                                                  details=self)
+                                                  adapter=self)
 
     @staticmethod
     def check_strategy(model):
@@ -211,8 +211,8 @@ class TensorFlowAdapter(Keras3Adapter):
         tf_step.check_strategy(model.distribute_strategy)
 
     def accumulating_train_step(self, model, data):
-        return tf_step.train_step(model, data, details=self)
+        return tf_step.train_step(model, data, adapter=self)
 
     def default_micro_batch_weight(self, model, x, y_pred):
         return tf_step.default_micro_batch_weight(model, x, y_pred,
-                                                  details=self)
+                                                  adapter=self)

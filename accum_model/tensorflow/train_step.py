@@ -4,49 +4,50 @@ Keras 3 on TensorFlow and Keras 2 train with the same stateful step: a
 `tf.GradientTape` over one micro-batch, its gradients handed to the window
 in replica context. What differs between the two Kerases (how a loss is
 computed, reduced and logged, how normalization layers are intercepted)
-comes in as `details`, each Keras's adapter (`unpack_x_y_sample_weight`,
-`compute_loss`, `get_keras_mask`, `layers_of`, `logs_for_reduction`,
-`loss_logged_by_window`, `losses_not_divided_by_replicas`,
-`recording_batch_statistics`, `recording_loss_reductions`).
+comes from each Keras's `Adapter`, handed in as `adapter`: its `losses`
+part, `unpack_x_y_sample_weight`, `logs_for_reduction`,
+`recording_batch_statistics` and `recording_loss_reductions`.
 """
 
 import functools
 
 import tensorflow as tf
 
+from accum_model.core import class_tree
+from accum_model.core.adapter import Adapter
 from accum_model.core import divisor
 from accum_model.core import micro_step
 from accum_model.tensorflow import replicas
 from accum_model.tensorflow.ops import TF_SHAPES
 
 
-def train_step(model, data, details):
+def train_step(model, data, adapter: Adapter):
     """One micro step of `model` on `data` (replica context).
 
     Args:
         model: The accumulating model.
         data: The micro-batch, as Keras hands it to `train_step`.
-        details: The Keras adapter (see the module's docstring).
+        adapter: The Keras adapter (see the module's docstring).
 
     Returns:
         The logs of the step.
     """
     accumulation = model._accumulation
     data = _owned_by_the_step(data, model.distribute_strategy)
-    x, y, sample_weight = details.unpack_x_y_sample_weight(data)
+    x, y, sample_weight = adapter.unpack_x_y_sample_weight(data)
     with tf.GradientTape() as tape:
         # BatchNormalization's moving statistics move once per window,
         # from the window's pooled moments (see `batch_statistics`).
-        with details.recording_batch_statistics(
-                details.layers_of(model),
+        with adapter.recording_batch_statistics(
+                class_tree.layers_of(model),
                 accumulation.spectral_writes()) as statistics:
             y_pred = model(x, training=True)
         # This replica's own mean loss, never divided by the replicas:
         # the window end divides by the whole window's weight instead.
-        with details.losses_not_divided_by_replicas(), \
-                details.loss_logged_by_window(model), \
-                details.recording_loss_reductions() as reductions:
-            loss = details.compute_loss(
+        with adapter.losses.losses_not_divided_by_replicas(), \
+                adapter.losses.loss_logged_by_window(model), \
+                adapter.recording_loss_reductions() as reductions:
+            loss = adapter.losses.compute_loss(
                 model, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight
             )
         # Every weight exists now; loss scaling reads the window.
@@ -55,7 +56,8 @@ def train_step(model, data, details):
             [record.call for record in statistics],
         )
         divide_by_weight = micro_step.loss_reduced(
-            model, reductions, y_pred, details.get_keras_mask, TF_SHAPES)
+            model, reductions, y_pred, adapter.losses.get_keras_mask,
+            TF_SHAPES)
         accumulation.window.divide_by_weight = divide_by_weight
         scaled_loss = model.get_scaled_loss(loss)
     window = accumulation.window
@@ -77,7 +79,7 @@ def train_step(model, data, details):
         model.compute_metrics(x, y, y_pred, sample_weight=sample_weight),
         window.skipped_windows.value, accumulation.loss_scaling.active,
         accumulation.settings.may_overflow)
-    return details.logs_for_reduction(logs, model.distribute_strategy)
+    return adapter.logs_for_reduction(logs, model.distribute_strategy)
 
 
 def _owned_by_the_step(data, strategy):
@@ -101,9 +103,10 @@ def _owned_by_the_step(data, strategy):
                        if isinstance(value, tf.Tensor) else value), data)
 
 
-def default_micro_batch_weight(model, x, y_pred, details):
+def default_micro_batch_weight(model, x, y_pred, adapter: Adapter):
     """What Keras divided this micro step's loss by (`divisor`)."""
-    return divisor.default_weight(model, x, y_pred, details.get_keras_mask,
+    return divisor.default_weight(model, x, y_pred,
+                                  adapter.losses.get_keras_mask,
                                   TF_SHAPES)
 
 
@@ -123,14 +126,14 @@ def replicas_in_sync(model):
     return model.distribute_strategy.num_replicas_in_sync
 
 
-def evaluating_like_one_device(model, test_function, details):
+def evaluating_like_one_device(model, test_function, adapter: Adapter):
     """`model`'s `test_function`, in which, under several replicas, each
     loss Keras reduces is the whole batch's
     (`replicas.reduced_as_one_device`), where Keras's own evaluation
     averages the replicas' own means (a mean over valid elements, or
     weights, strays from one device's, as a "sum" does). Keras divides no
     loss by the replicas there: each already is the whole batch's.
-    `details` is the Keras adapter (`losses_not_divided_by_replicas`,
+    `adapter` is the Keras adapter (`losses_not_divided_by_replicas`,
     `recording_loss_reductions`, `SUMS_LOGGED_PER_REPLICA`).
 
     The replacement is made around the whole function, from the calling
@@ -143,12 +146,12 @@ def evaluating_like_one_device(model, test_function, details):
 
     @functools.wraps(test_function)
     def test_function_of_one_device(*args, **kwargs):
-        with details.losses_not_divided_by_replicas(), \
-                details.recording_loss_reductions(
+        with adapter.losses.losses_not_divided_by_replicas(), \
+                adapter.recording_loss_reductions(
                     reduced=functools.partial(
                         replicas.reduced_as_one_device,
                         sums_logged_per_replica=(
-                            details.SUMS_LOGGED_PER_REPLICA))):
+                            adapter.SUMS_LOGGED_PER_REPLICA))):
             return test_function(*args, **kwargs)
 
     return test_function_of_one_device
