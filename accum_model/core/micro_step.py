@@ -57,17 +57,18 @@ def divides_by_weight(model_class, weight_from_batch_size, reductions):
                 and divisor.is_summed(reductions))
 
 
-def shows_skipped_windows(loss_scaled, accumulators_may_overflow):
+def shows_skipped_windows(loss_scaled, settings):
     """Whether the logs count skipped windows: wherever the window's end
     checks anything (`window.end_checks`), so that a skip never passes
     silently."""
-    return bool(window.end_checks(loss_scaled, accumulators_may_overflow))
+    return bool(window.end_checks(loss_scaled, settings))
 
 
-def logged(logs, skipped_windows, loss_scaled, accumulators_may_overflow):
+def logged(logs, skipped_windows, loss_scaled, settings):
     """The step's `logs`, with the count of skipped windows where a window
-    can be skipped (`shows_skipped_windows`). `skipped_windows` is a
-    callable returning the count, read only there."""
-    if not shows_skipped_windows(loss_scaled, accumulators_may_overflow):
+    can be skipped (`shows_skipped_windows`; `settings` is the model's
+    `Settings`). `skipped_windows` is a callable returning the count, read
+    only there."""
+    if not shows_skipped_windows(loss_scaled, settings):
         return logs
     return {**logs, SKIPPED_WINDOWS: skipped_windows()}

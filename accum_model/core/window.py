@@ -344,19 +344,20 @@ def in_float16_range(config, state, loss_scale, ops):
     return fits_float16(config, state, loss_scale, ops)
 
 
-def end_checks(loss_scaled, accumulators_may_overflow):
+def end_checks(loss_scaled, settings):
     """The checks a window's end makes before it applies the window: a
     tuple of functions `(config, state, loss_scale, ops) -> bool`, on the
     window summed over replicas; a window that fails one is skipped.
 
     Under loss scaling, as Keras's `LossScaleOptimizer` checks one large
     batch: the sums are finite, and the large batch's float16 gradients
-    would have been. With narrow accumulators, the sums are finite. Else
+    would have been. With narrow accumulators (`settings.may_overflow`,
+    `settings` being the model's `Settings`), the sums are finite. Else
     none: every window applies.
     """
     if loss_scaled:
         return (finite, in_float16_range)
-    if accumulators_may_overflow:
+    if settings.may_overflow:
         return (finite,)
     return ()
 

@@ -161,7 +161,7 @@ def accumulating_train_step(model, state, data):
     accumulation._traced_window = None
     logs = micro_step.logged(logs, lambda: window.skipped_windows,
                              accumulation.loss_scaling.active,
-                             accumulation.settings.may_overflow)
+                             accumulation.settings)
     enforce = getattr(model, "_enforce_jax_state_sharding", None)
     if enforce is not None and accumulation.window_sharding is not None:
         # keras before 3.11 (checked on 3.10.0) jits the step without

@@ -425,8 +425,7 @@ def end_window(accumulation, operands):
             return accumulation.optimizer_apply(
                 optimizer_values, gradients, trainable)
 
-    checks = core_window.end_checks(scaling.active,
-                                    accumulation.settings.may_overflow)
+    checks = core_window.end_checks(scaling.active, accumulation.settings)
     scale = (optimizer_values[scaling.scale_index()] if scaling.active
              else None)
     verdict = (core_window.passes(checks, config, state, scale, KERAS_OPS)

@@ -105,7 +105,7 @@ def accumulating_train_step(model, data):
     return micro_step.logged(
         model.compute_metrics(x, y, y_pred, sample_weight),
         lambda: window.state.skipped_windows,
-        accumulation.loss_scaling.active, accumulation.settings.may_overflow)
+        accumulation.loss_scaling.active, accumulation.settings)
 
 
 class TorchModelDifferences:

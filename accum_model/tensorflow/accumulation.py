@@ -184,7 +184,7 @@ class TensorFlowAccumulation(WindowLifecycle):
                 window.trainable_variables)
         return WindowEnd(
             window, self.loss_scaling, self._run_eagerly,
-            self.settings.may_overflow, self._report_loss, float16_gradients,
+            self.settings, self._report_loss, float16_gradients,
         )
 
     # Training --------------------------------------------------------------

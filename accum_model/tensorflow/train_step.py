@@ -78,7 +78,7 @@ def train_step(model, data, adapter: Adapter):
     logs = micro_step.logged(
         model.compute_metrics(x, y, y_pred, sample_weight=sample_weight),
         window.skipped_windows.value, accumulation.loss_scaling.active,
-        accumulation.settings.may_overflow)
+        accumulation.settings)
     return adapter.logs_for_reduction(logs, model.distribute_strategy)
 
 

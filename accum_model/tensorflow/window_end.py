@@ -26,8 +26,8 @@ class WindowEnd:
         window: The `GradientWindow` being accumulated.
         loss_scaling: The `LossScaling` of the compiled optimizer.
         run_eagerly: Bool. Whether `apply_open` runs without `tf.function`.
-        accumulators_may_overflow: Bool. Whether a non-finite window is
-            skipped even without loss scaling (narrow accumulators).
+        settings: The model's `Settings` (what the window's end checks
+            follows from them: `core.window.end_checks`).
         report_loss: Callable `(loss, samples)`, run in replica context for
             each window that saw samples, with the window's loss (the large
             batch's) and the replica's samples in it; or None.
@@ -37,14 +37,13 @@ class WindowEnd:
     """
 
     def __init__(self, window, loss_scaling, run_eagerly,
-                 accumulators_may_overflow=False, report_loss=None,
+                 settings, report_loss=None,
                  float16_gradients=None):
         self.window = window
         self.loss_scaling = loss_scaling
         self.strategy = window.strategy
         self.run_eagerly = run_eagerly
-        self.checks = core_window.end_checks(loss_scaling.active,
-                                             accumulators_may_overflow)
+        self.checks = core_window.end_checks(loss_scaling.active, settings)
         self.report_loss = report_loss
         self.float16_gradients = float16_gradients
         self._apply_open_functions = {}

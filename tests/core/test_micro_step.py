@@ -8,6 +8,7 @@ import pytest
 from accum_model.core import divisor
 from accum_model.core import micro_step
 from accum_model.core import window
+from accum_model.core.settings import Settings
 
 
 class Base:
@@ -26,6 +27,10 @@ class Subclass(Base):
 class OwnWeight(Base):
     def micro_batch_weight(self, x, y, y_pred, sample_weight):
         return 2.0
+
+
+def _settings(narrow):
+    return Settings(accumulator_dtype="float16" if narrow else "float32")
 
 
 def _reductions(*names):
@@ -51,9 +56,9 @@ def test_a_weight_of_ones_own_or_of_samples_always_divides():
 
 
 def test_skipped_windows_are_shown_wherever_a_window_can_be_skipped():
-    assert micro_step.shows_skipped_windows(True, False)
-    assert micro_step.shows_skipped_windows(False, True)
-    assert not micro_step.shows_skipped_windows(False, False)
+    assert micro_step.shows_skipped_windows(True, _settings(False))
+    assert micro_step.shows_skipped_windows(False, _settings(True))
+    assert not micro_step.shows_skipped_windows(False, _settings(False))
 
 
 @pytest.mark.parametrize("loss_scaled", [False, True])
@@ -61,8 +66,9 @@ def test_skipped_windows_are_shown_wherever_a_window_can_be_skipped():
 def test_the_logs_count_skips_exactly_where_the_end_checks(loss_scaled,
                                                            narrow):
     # A window the end's checks can skip is one the logs must count.
-    assert micro_step.shows_skipped_windows(loss_scaled, narrow) is bool(
-        window.end_checks(loss_scaled, narrow))
+    assert micro_step.shows_skipped_windows(
+        loss_scaled, _settings(narrow)) is bool(
+        window.end_checks(loss_scaled, _settings(narrow)))
 
 
 @pytest.mark.parametrize("loss_scaled", [False, True])
@@ -75,7 +81,8 @@ def test_the_logs_count_skips_only_where_a_window_can_be_skipped(
         reads.append(True)
         return 2
 
-    shown = micro_step.logged(logs, skipped_windows, loss_scaled, False)
+    shown = micro_step.logged(logs, skipped_windows, loss_scaled,
+                              _settings(False))
     if loss_scaled:
         assert shown == {"loss": 0.5, micro_step.SKIPPED_WINDOWS: 2}
     else:

@@ -10,6 +10,7 @@ from accum_model.core import arithmetic
 from accum_model.core import checkpoint_layout as layout
 from accum_model.core import window
 from accum_model.core.numpy_ops import NUMPY_OPS as OPS
+from accum_model.core.settings import Settings
 
 SHAPES = [(3, 2), (2,)]
 
@@ -278,8 +279,7 @@ def test_the_float16_verdict_skips_a_window_whose_large_batch_overflows():
     state = state._replace(gradient_sums=[
         np.full(SHAPES[0], 40000.0, "float32"),
         np.zeros(SHAPES[1], "float32")])
-    checks = window.end_checks(loss_scaled=True,
-                               accumulators_may_overflow=False)
+    checks = window.end_checks(loss_scaled=True, settings=Settings())
     verdict = window.passes(checks, config, state, np.float32(2.0), OPS)
     assert bool(window.is_finite(state, OPS)) and not bool(verdict)
     end = window.ended(config, state, OPS, verdict)
@@ -376,7 +376,8 @@ def _overflowing_states():
 def test_the_end_checks_judge_a_window_as_the_large_batch(
         loss_scaled, narrow, verdicts):
     config = _config(float16=(False, True))
-    checks = window.end_checks(loss_scaled, narrow)
+    checks = window.end_checks(loss_scaled, Settings(
+        accumulator_dtype="bfloat16" if narrow else "float32"))
     scale = np.float32(1.0) if loss_scaled else None
     assert tuple(bool(window.passes(checks, config, state, scale, OPS))
                  for state in _overflowing_states()) == verdicts
@@ -392,7 +393,7 @@ def test_a_check_of_ones_own_joins_the_verdict():
 
     config = _config(float16=(False, True))
     in_range, _, too_large = _overflowing_states()
-    checks = window.end_checks(False, False) + (small,)
+    checks = window.end_checks(False, Settings()) + (small,)
     assert bool(window.passes(checks, config, in_range, None, OPS))
     assert not bool(window.passes(checks, config, too_large, None, OPS))
 
