@@ -93,7 +93,8 @@ def with_settings_for_clones(cls, settings):
         cls = cls.__bases__[0]  # Settings bound before: replaced, not added.
     requested = requested_class(cls)
     base = class_tree.accumulating_base(requested)
-    through_constructor = adapter.saving.clones_through_constructor(requested, base)
+    through_constructor = adapter.saving.clones_through_constructor(
+        requested, base)
     if through_constructor and not settings:
         return cls
     key = (cls, repr(sorted(settings.items())))

@@ -251,7 +251,8 @@ class WindowFromNoiseScale(keras.callbacks.Callback):
                 float("nan") if self.smoothed_noise_scale is None
                 else self.smoothed_noise_scale)
             logs["window_n_gradients"] = model.n_gradients
-            learning_rate = adapter.learning_rate.learning_rate_of(model.optimizer)
+            learning_rate = adapter.learning_rate.learning_rate_of(
+                model.optimizer)
             logs["window_learning_rate"] = (
                 float("nan") if learning_rate is None else learning_rate)
 

@@ -292,12 +292,14 @@ def _part_modules(class_name):
         name = pending.pop()
         for module, bases, _ in _classes().get(name, []):
             tree = ast.parse(MODULES[module].read_text())
-            imported = {alias.asname or alias.name: f"{node.module}.{alias.name}"
+            imported = {alias.asname or alias.name:
+                        f"{node.module}.{alias.name}"
                         for node in tree.body
                         if isinstance(node, ast.ImportFrom) and node.module
                         for alias in node.names}
             body = next(node.body for node in tree.body
-                        if isinstance(node, ast.ClassDef) and node.name == name)
+                        if isinstance(node, ast.ClassDef)
+                        and node.name == name)
             for item in body:
                 if (isinstance(item, ast.Assign)
                         and isinstance(item.value, ast.Name)

@@ -363,11 +363,12 @@ def end_checks(loss_scaled, settings):
 
 
 def passes(checks, config, state, loss_scale, ops):
-    """Bool: whether the window passes every one of `checks` (True for
-    none); `loss_scale` is the scale in force, or None without one."""
-    verdict = ops.cast(True, "bool")
+    """Bool scalar: whether the window passes every one of `checks`;
+    Python's True for none, so that a store traces no condition.
+    `loss_scale` is the scale in force, or None without one."""
+    verdict = True
     for check in checks:
-        verdict = verdict & check(config, state, loss_scale, ops)
+        verdict = _both(verdict, check(config, state, loss_scale, ops))
     return verdict
 
 

@@ -428,8 +428,7 @@ def end_window(accumulation, operands):
     checks = core_window.end_checks(scaling.active, accumulation.settings)
     scale = (optimizer_values[scaling.scale_index()] if scaling.active
              else None)
-    verdict = (core_window.passes(checks, config, state, scale, KERAS_OPS)
-               if checks else True)
+    verdict = core_window.passes(checks, config, state, scale, KERAS_OPS)
     emptied = core_window.ended(config, state, KERAS_OPS, verdict,
                                 zero_sums=zero_sums).next_state
     if scaling.active:

@@ -33,8 +33,8 @@ def _divide_all_no_nan(arrays, denominator):
 
 
 class TorchAccumulation(stateless_window.StatelessAccumulation):
-    """`stateless_window.StatelessAccumulation` on PyTorch: the window's state is
-    held here and moved eagerly by each step.
+    """`stateless_window.StatelessAccumulation` on PyTorch: the window's
+    state is held here and moved eagerly by each step.
 
     Args:
         settings: The `Settings` to accumulate with.

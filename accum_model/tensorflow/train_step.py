@@ -14,9 +14,9 @@ import functools
 import tensorflow as tf
 
 from accum_model.core import class_tree
-from accum_model.core.adapter import Adapter
 from accum_model.core import divisor
 from accum_model.core import micro_step
+from accum_model.core.adapter import Adapter
 from accum_model.tensorflow import replicas
 from accum_model.tensorflow.ops import TF_SHAPES
 

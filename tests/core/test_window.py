@@ -215,7 +215,7 @@ def test_a_reset_empties_the_window_and_keeps_the_epochs_counts():
     assert float(emptied.noise_weight_sum) == 0.0
 
 
-# The window's end --------------------------------------------------------------
+# The window's end ----------------------------------------------------------
 
 @pytest.mark.parametrize("verdict", [True, False, np.bool_(True),
                                      np.bool_(False)])
