@@ -66,11 +66,14 @@ class Reduction:
         elements_per_sample: Int, None where a dimension's length is not
             known as the step is traced, or -1 where the divisor is not
             the count of every element.
+        samples: Int32 scalar tensor or None. For a loss that was one
+            number before reduction, the rows of the prediction it was
+            given, by which replicas' such numbers are averaged.
     """
 
     def __init__(self, reduction, divisor, may_vary, dependence=None,
                  loss_name="the loss", counts_valid=False,
-                 elements_per_sample=-1):
+                 elements_per_sample=-1, samples=None):
         self.reduction = reduction
         self.divisor = divisor
         self.may_vary = may_vary
@@ -78,6 +81,7 @@ class Reduction:
         self.loss_name = loss_name
         self.counts_valid = counts_valid
         self.elements_per_sample = elements_per_sample
+        self.samples = samples
 
 
 def reduction_of(values, reduction, ops, mask=None, weight_sum=None,
@@ -103,6 +107,9 @@ def reduction_of(values, reduction, ops, mask=None, weight_sum=None,
     described = {"dependence": batch_dependence(
                      loss, scalar, None if shape is None else len(shape)),
                  "loss_name": _loss_name(loss)}
+    if scalar and shape is not None and len(shape) > 0:
+        return Reduction(reduction, None, may_vary=True,
+                         samples=ops.first_dimension(prediction), **described)
     if reduction in (None, "none") or scalar:
         return Reduction(reduction, None, may_vary=True, **described)
     if reduction == SUM:

@@ -167,7 +167,9 @@ def reduced_as_one_device(loss, reduction, sums_logged_per_replica=False):
     numerator over the sum of their divisors, a "sum" the sum over
     replicas (over the replicas again where Keras multiplies a summed
     loss's logged value by them: `sums_logged_per_replica`). A scalar of
-    the user's own stays this replica's.
+    the user's own becomes the replicas' scalars weighed by their samples
+    (keras 3.6 logs the first replica's loss alone; later Keras weighs the
+    replicas' losses by their samples).
     """
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
@@ -179,10 +181,13 @@ def reduced_as_one_device(loss, reduction, sums_logged_per_replica=False):
         whole = context.all_reduce(tf.distribute.ReduceOp.SUM, wide)
         if sums_logged_per_replica:
             whole /= context.num_replicas_in_sync
-    elif reduction.divisor is None:
+    elif reduction.divisor is None and reduction.samples is None:
         return loss
     else:
-        weight = tf.cast(reduction.divisor, tf.float32)
+        # A number of the user's own for this replica's share is weighed
+        # by its samples, as Keras's loss tracker weighs each step's loss.
+        weight = tf.cast(reduction.divisor if reduction.divisor is not None
+                         else reduction.samples, tf.float32)
         numerator, weights = context.all_reduce(
             tf.distribute.ReduceOp.SUM, [wide * weight, weight])
         whole = tf.math.divide_no_nan(numerator, weights)
