@@ -680,7 +680,7 @@ def check_ready_to_accumulate(model, requested_class):
     """
     check_optimizer_does_not_accumulate(model.optimizer)
     adapter.check_strategy(model)
-    optimizer_stray = adapter.check_optimizer(model.optimizer, model)
+    optimizer_stray = adapter.optimizer.check_optimizer(model.optimizer, model)
     check_loss_reductions(flatten(model.loss))
     check_no_foreign_layers(model)
     check_float8_on_one_replica(model)

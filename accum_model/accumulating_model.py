@@ -428,7 +428,7 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
                 adapter.LossScaling(self.optimizer), self.run_eagerly,
                 report_loss=functools.partial(adapter.losses.track_loss, self),
                 float16_gradients=functools.partial(
-                    adapter.float16_gradient_flags, self),
+                    adapter.optimizer.float16_gradient_flags, self),
             )
         super().make_train_function(force)
         if accumulation.accumulates:

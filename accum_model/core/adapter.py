@@ -15,8 +15,8 @@ A subclass also gives:
 * `keras`, the Keras package that trains; `Functional`, its functional
   model class; `LOSS_REDUCTIONS`, the loss reductions it knows.
 * Its parts (`PARTS`): the Keras's own modules by concern, `losses`,
-  `saving`, `learning_rate` and `loop`, each holding the functions
-  `PARTS` names; the layers above call them through the part
+  `saving`, `learning_rate`, `loop` and `optimizer`, each holding the
+  functions `PARTS` names; the layers above call them through the part
   (`adapter.saving.serialize_as(...)`).
 * The window's classes: `Accumulation` (the model holds one),
   `LossScaling` (a `LossScaleOptimizer` taken apart for windows),
@@ -24,8 +24,7 @@ A subclass also gives:
 * The step: `accumulating_train_step`, `default_micro_batch_weight`,
   `accumulate_gradients` (a stateful step) or
   `stateless_accumulate_gradients` (a stateless one; the base refuses
-  the hook the step does not use), `float16_gradient_flags`,
-  `check_strategy`.
+  the hook the step does not use), `check_strategy`.
 * Values: `value_of_call(function, array)`, a function of a NumPy array
   as the backend's tensor, as a float.
 """
@@ -45,9 +44,10 @@ class Adapter:
         "learning_rate": ("learning_rate_of", "scalable_learning_rate"),
         "loop": ("micro_steps_in_epoch", "model_keyword_arguments",
                  "steps_per_execution"),
+        "optimizer": ("check_optimizer", "float16_gradient_flags"),
     }
     # Each set by a subclass to its Keras's module of that name.
-    losses = saving = learning_rate = loop = None
+    losses = saving = learning_rate = loop = optimizer = None
 
     # What a run of the train function raises when the data has run out.
     END_OF_DATA_ERRORS = ()
@@ -92,14 +92,6 @@ class Adapter:
         reduces the whole batch."""
         del model
         return test_function
-
-    @staticmethod
-    def check_optimizer(optimizer, model):
-        """Raises for an optimizer a window cannot apply exactly; returns
-        the text of a warning for one that plain Keras does not apply like
-        one device either (or None)."""
-        del optimizer, model
-        return None
 
     @staticmethod
     def pools_moving_statistics(layer):

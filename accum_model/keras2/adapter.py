@@ -16,11 +16,11 @@ from accum_model.keras2 import optimizer
 from accum_model.keras2 import saving
 from accum_model.keras2 import loop
 from accum_model.keras2.package import keras
-from accum_model.tensorflow import train_step as tf_step
+from accum_model.tensorflow.train_step import TensorFlowSteps
 from accum_model.tensorflow.accumulation import TensorFlowAccumulation
 
 
-class Keras2Adapter(Adapter):
+class Keras2Adapter(TensorFlowSteps, Adapter):
     """Keras 2 on TensorFlow."""
 
     # Its Adam applies repeated rows whole; its clipping does not (measured
@@ -39,24 +39,18 @@ class Keras2Adapter(Adapter):
     LOSS_REDUCTIONS = losses.LOSS_REDUCTIONS
     END_OF_DATA_ERRORS = (StopIteration, tf.errors.OutOfRangeError)
 
-    unpack_x_y_sample_weight = staticmethod(
-        keras.utils.unpack_x_y_sample_weight)
     losses = losses
     saving = saving
     learning_rate = learning_rate
     loop = loop
+    optimizer = optimizer
     recording_loss_reductions = staticmethod(
         losses.recording_loss_reductions)
     recording_batch_statistics = staticmethod(
         normalization.recording_batch_statistics)
-    check_optimizer = staticmethod(optimizer.check_optimizer)
-    float16_gradient_flags = staticmethod(optimizer.float16_gradient_flags)
-    check_strategy = staticmethod(loop.check_strategy)
     foreign_variables_in_graph = staticmethod(
         loop.foreign_variables_in_graph)
     is_foreign_layer = staticmethod(loop.is_foreign_layer)
-    replicas_in_sync = staticmethod(tf_step.replicas_in_sync)
-    accumulate_gradients = staticmethod(tf_step.accumulate_gradients)
 
     @staticmethod
     def draws_random_numbers(layer):
@@ -85,13 +79,6 @@ class Keras2Adapter(Adapter):
         del strategy
         return logs
 
-    def accumulating_train_step(self, model, data):
-        return tf_step.train_step(model, data, adapter=self)
-
-    def evaluating_like_one_device(self, model, test_function):
-        return tf_step.evaluating_like_one_device(model, test_function,
-                                                  adapter=self)
-
-    def default_micro_batch_weight(self, model, x, y_pred):
-        return tf_step.default_micro_batch_weight(model, x, y_pred,
-                                                  adapter=self)
+    @staticmethod
+    def check_strategy(model):
+        loop.check_strategy(model)

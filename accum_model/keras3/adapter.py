@@ -29,9 +29,11 @@ class Keras3Adapter(Adapter):
     saving = saving
     learning_rate = learning_rate
     loop = loop
-    pools_moving_statistics = staticmethod(
-        normalization.pools_moving_statistics)
-    float16_gradient_flags = staticmethod(optimizer.float16_gradient_flags)
+    optimizer = optimizer
+
+    @staticmethod
+    def pools_moving_statistics(layer):
+        return normalization.pools_moving_statistics(layer)
 
     @staticmethod
     def value_of_call(function, array):

@@ -67,7 +67,7 @@ from accum_model.keras3.stateless_ops import KERAS_OPS
 from accum_model.keras3.stateless_ops import KERAS_SHAPES
 
 
-def accumulating_train_step(model, state, data):
+def train_step(model, state, data):
     """One micro step on JAX: pure, `(state, data) -> (logs, state)`."""
     accumulation = model._accumulation
     (trainable, non_trainable, optimizer_and_window,
@@ -476,74 +476,75 @@ class JaxModelDifferences:
         super().jax_state_sync()
 
 
-def check_strategy(model):
-    """Refuses a `keras.distribution` other than Keras's data and model
-    parallelism."""
-    del model
-    distribution = keras.distribution.distribution()
-    if distribution is None or isinstance(distribution, (
-            keras.distribution.DataParallel,
-            keras.distribution.ModelParallel)):
-        return
-    raise ValueError(
-        "AccumulatingModel trains on JAX on one device or under "
-        "keras.distribution.DataParallel or ModelParallel; "
-        f"{type(distribution).__name__} is not supported. Use one of those, "
-        "or train on one device (keras.distribution.set_distribution(None))."
-        f" Received: distribution={type(distribution).__name__}")
-
-
-def batch_split_ways():
-    """Int. How many equal parts `keras.distribution` cuts each batch that
-    `fit()` is given into: the devices along its batch axis (1 without a
-    distribution) that this process feeds. With several processes each
-    hands `fit()` its own share of the batch, cut over its own devices."""
-    distribution = keras.distribution.distribution()
-    if distribution is None:
-        return 1
-    mesh = distribution.device_mesh
-    ways = int(dict(zip(mesh.axis_names, mesh.shape)).get(
-        distribution.batch_dim_name, 1))
-    return max(1, ways // jax.process_count())
-
-
-def stateless_accumulate_gradients(model, optimizer_variables, gradients,
-                                   trainable_variables, weight):
-    """`AccumulatingModel.stateless_accumulate_gradients` (JAX, traced)."""
-    accumulation = model._accumulation
-    optimizer_variables = list(optimizer_variables)
-    window = optimizer_variables[-1] if optimizer_variables else None
-    if not isinstance(window, WindowState):
-        raise ValueError(
-            "`optimizer_variables` must be the optimizer values of the "
-            "`state` your `train_step(self, state, data)` received, whole: "
-            "the window rides last among them. Received: "
-            f"{len(optimizer_variables)} values, the last of type "
-            f"{type(window).__name__}")
-    gradients = list(gradients)
-    if len(gradients) != len(window.gradient_sums):
-        raise ValueError(
-            f"`gradients` needs one entry per trainable variable "
-            f"({len(window.gradient_sums)}). Received: {len(gradients)}")
-    accumulation.divide_by_weight = True
-    weight = jnp.asarray(weight, jnp.float32)
-    gradients = [accumulation.spread(g) for g in gradients]
-    trainable, _, optimizer_values, window, *_ = (
-        stateless_window.add_micro_batch(
-            accumulation, list(trainable_variables),
-            optimizer_variables[:-1], window, gradients, weight,
-            jnp.asarray(0.0, jnp.float32), weight))
-    return trainable, optimizer_values + [window]
-
-
 class JaxAdapter(StatelessAdapter):
     """Keras 3 on JAX: the window inside Keras's jitted step."""
 
     Accumulation = JaxAccumulation
     ModelDifferences = JaxModelDifferences
     STEP_LOGS_LOSS_BEFORE_A_WINDOW_ENDS = True
-    accumulating_train_step = staticmethod(accumulating_train_step)
-    check_strategy = staticmethod(check_strategy)
-    batch_split_ways = staticmethod(batch_split_ways)
-    stateless_accumulate_gradients = staticmethod(
-        stateless_accumulate_gradients)
+
+    @staticmethod
+    def accumulating_train_step(model, state, data):
+        return train_step(model, state, data)
+
+    @staticmethod
+    def check_strategy(model):
+        """Refuses a `keras.distribution` other than Keras's data and model
+        parallelism."""
+        del model
+        distribution = keras.distribution.distribution()
+        if distribution is None or isinstance(distribution, (
+                keras.distribution.DataParallel,
+                keras.distribution.ModelParallel)):
+            return
+        raise ValueError(
+            "AccumulatingModel trains on JAX on one device or under "
+            "keras.distribution.DataParallel or ModelParallel; "
+            f"{type(distribution).__name__} is not supported. Use one of "
+            "those, or train on one device "
+            "(keras.distribution.set_distribution(None))."
+            f" Received: distribution={type(distribution).__name__}")
+
+    @staticmethod
+    def batch_split_ways():
+        """Int. How many equal parts `keras.distribution` cuts each batch that
+        `fit()` is given into: the devices along its batch axis (1 without a
+        distribution) that this process feeds. With several processes each
+        hands `fit()` its own share of the batch, cut over its own devices."""
+        distribution = keras.distribution.distribution()
+        if distribution is None:
+            return 1
+        mesh = distribution.device_mesh
+        ways = int(dict(zip(mesh.axis_names, mesh.shape)).get(
+            distribution.batch_dim_name, 1))
+        return max(1, ways // jax.process_count())
+
+    @staticmethod
+    def stateless_accumulate_gradients(model, optimizer_variables, gradients,
+                                       trainable_variables, weight):
+        """`AccumulatingModel.stateless_accumulate_gradients` (JAX, traced)."""
+        accumulation = model._accumulation
+        optimizer_variables = list(optimizer_variables)
+        window = optimizer_variables[-1] if optimizer_variables else None
+        if not isinstance(window, WindowState):
+            raise ValueError(
+                "`optimizer_variables` must be the optimizer values of the "
+                "`state` your `train_step(self, state, data)` received, "
+                "whole: "
+                "the window rides last among them. Received: "
+                f"{len(optimizer_variables)} values, the last of type "
+                f"{type(window).__name__}")
+        gradients = list(gradients)
+        if len(gradients) != len(window.gradient_sums):
+            raise ValueError(
+                f"`gradients` needs one entry per trainable variable "
+                f"({len(window.gradient_sums)}). Received: {len(gradients)}")
+        accumulation.divide_by_weight = True
+        weight = jnp.asarray(weight, jnp.float32)
+        gradients = [accumulation.spread(g) for g in gradients]
+        trainable, _, optimizer_values, window, *_ = (
+            stateless_window.add_micro_batch(
+                accumulation, list(trainable_variables),
+                optimizer_variables[:-1], window, gradients, weight,
+                jnp.asarray(0.0, jnp.float32), weight))
+        return trainable, optimizer_values + [window]

@@ -65,6 +65,13 @@ class Keras3LossScaling(OptimizerDuties):
                 for g, kept in zip(gradients, keep)]
 
 
+def check_optimizer(optimizer, model):
+    """Keras 3's optimizers all apply a window as one device applies the
+    large batch: nothing to refuse or warn of (returns None)."""
+    del optimizer, model
+    return None
+
+
 def float16_gradient_flags(model, variables):
     """For each of `variables`, whether the large batch's gradient of it is
     float16 (and so overflows above float16's range): a float16 variable's

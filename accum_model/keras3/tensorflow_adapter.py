@@ -79,20 +79,6 @@ def build_window_before_tracing(model):
         normalization.expected_statistics_calls(class_tree.layers_of(model)))
 
 
-def executions_stop_cleanly_at_end_of_data():
-    """Whether `steps_per_execution > 1` ends an epoch between steps.
-
-    From keras 3.8 on (checked on 3.10 and 3.15) the TensorFlow trainer
-    builds its train function in `TensorFlowTrainer._make_function`, whose
-    loop asks `get_next_as_optional` before each step. keras 3.6's runs
-    `next(iterator)` steps in one `tf.function`, and when the data runs out
-    inside an execution part of a step's updates may already have run.
-    """
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    return hasattr(TensorFlowTrainer, "_make_function")
-
-
 def symbolic_build_from_local_batch(model, iterator):
     """Builds model, compiled loss and metrics from the first local batch.
 
@@ -129,39 +115,6 @@ def _epoch_steps(epoch_iterator):
     return epoch_iterator.enumerate_epoch()
 
 
-def logs_for_reduction(logs, strategy):
-    """Shapes `train_step` logs so that Keras can reduce them over workers.
-
-    Under MultiWorkerMirroredStrategy in multi-worker mode, Keras's
-    `reduce_per_replica` averages each log with
-    `strategy.reduce("MEAN", value, axis=0)`, which raises "Invalid reduction
-    dimension 0 for input with 0 dimensions" on the scalar logs every
-    `train_step` returns. Giving scalars one axis of length 1 makes that
-    reduction the mean over replicas, a scalar again.
-    """
-    multi_worker = isinstance(
-        strategy, tf.distribute.MultiWorkerMirroredStrategy
-    ) and strategy.extended._in_multi_worker_mode()
-    if not multi_worker:
-        return logs
-    return {
-        name: tf.reshape(value, [1]) if value.shape.rank == 0 else value
-        for name, value in logs.items()
-    }
-
-
-def is_foreign_layer(value):
-    """Whether `value` is a Keras 2 layer, whose weights Keras 3 does not see.
-
-    Keras 2 (`tf_keras`, or TensorFlow 2.15's own) layers are `tf.Module`s,
-    and Keras 3 layers are not; Keras 3 tracks neither their weights nor
-    their sub-layers.
-    """
-    return (isinstance(value, tf.Module)
-            and hasattr(value, "trainable_weights")
-            and not isinstance(value, keras.layers.Layer))
-
-
 class Keras3TensorFlowWindowCheckpoint(InKerasFiles,
                                        TensorFlowWindowCheckpoint):
     """The open window in Keras files and in TensorFlow checkpoints
@@ -169,7 +122,7 @@ class Keras3TensorFlowWindowCheckpoint(InKerasFiles,
     TF 2.18.1 and 3.15.1 / TF 2.21.0."""
 
 
-class TensorFlowAdapter(Keras3Adapter):
+class TensorFlowAdapter(tf_step.TensorFlowSteps, Keras3Adapter):
     """Keras 3 on TensorFlow: the window of `accum_model.tensorflow`."""
 
     # Measured on keras 3.6.0 and 3.15.1 (tests/test_large_batch_check.py).
@@ -186,33 +139,61 @@ class TensorFlowAdapter(Keras3Adapter):
         "execution, which would leave a window half updated. Compile with "
         "steps_per_execution=1, or upgrade: pip install 'keras>=3.8'")
 
-    unpack_x_y_sample_weight = staticmethod(
-        keras.utils.unpack_x_y_sample_weight)
     recording_batch_statistics = staticmethod(
         normalization.recording_batch_statistics)
-    executions_stop_cleanly_at_end_of_data = staticmethod(
-        executions_stop_cleanly_at_end_of_data)
-    logs_for_reduction = staticmethod(logs_for_reduction)
-    is_foreign_layer = staticmethod(is_foreign_layer)
-    replicas_in_sync = staticmethod(tf_step.replicas_in_sync)
-    accumulate_gradients = staticmethod(tf_step.accumulate_gradients)
+
+    @staticmethod
+    def executions_stop_cleanly_at_end_of_data():
+        """Whether `steps_per_execution > 1` ends an epoch between steps.
+
+        From keras 3.8 on (checked on 3.10 and 3.15) the TensorFlow trainer
+        builds its train function in `TensorFlowTrainer._make_function`, whose
+        loop asks `get_next_as_optional` before each step. keras 3.6's runs
+        `next(iterator)` steps in one `tf.function`, and when the data runs out
+        inside an execution part of a step's updates may already have run.
+        """
+        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+        return hasattr(TensorFlowTrainer, "_make_function")
+
+    @staticmethod
+    def logs_for_reduction(logs, strategy):
+        """Shapes `train_step` logs so that Keras can reduce them over workers.
+
+        Under MultiWorkerMirroredStrategy in multi-worker mode, Keras's
+        `reduce_per_replica` averages each log with
+        `strategy.reduce("MEAN", value, axis=0)`, which raises "Invalid reduction
+        dimension 0 for input with 0 dimensions" on the scalar logs every
+        `train_step` returns. Giving scalars one axis of length 1 makes that
+        reduction the mean over replicas, a scalar again.
+        """
+        multi_worker = isinstance(
+            strategy, tf.distribute.MultiWorkerMirroredStrategy
+        ) and strategy.extended._in_multi_worker_mode()
+        if not multi_worker:
+            return logs
+        return {
+            name: tf.reshape(value, [1]) if value.shape.rank == 0 else value
+            for name, value in logs.items()
+        }
+
+    @staticmethod
+    def is_foreign_layer(value):
+        """Whether `value` is a Keras 2 layer, whose weights Keras 3 does not see.
+
+        Keras 2 (`tf_keras`, or TensorFlow 2.15's own) layers are `tf.Module`s,
+        and Keras 3 layers are not; Keras 3 tracks neither their weights nor
+        their sub-layers.
+        """
+        return (isinstance(value, tf.Module)
+                and hasattr(value, "trainable_weights")
+                and not isinstance(value, keras.layers.Layer))
 
     @staticmethod
     def recording_loss_reductions(reduced=None):
         return losses.recording_loss_reductions(TF_SHAPES, reduced)
 
-    def evaluating_like_one_device(self, model, test_function):
-        return tf_step.evaluating_like_one_device(model, test_function,
-                                                  adapter=self)
-
     @staticmethod
     def check_strategy(model):
         """Refuses strategies whose variables live off-replica."""
         tf_step.check_strategy(model.distribute_strategy)
-
-    def accumulating_train_step(self, model, data):
-        return tf_step.train_step(model, data, adapter=self)
-
-    def default_micro_batch_weight(self, model, x, y_pred):
-        return tf_step.default_micro_batch_weight(model, x, y_pred,
-                                                  adapter=self)

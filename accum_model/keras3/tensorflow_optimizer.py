@@ -34,8 +34,10 @@ class TensorFlowLossScaling(Keras3LossScaling):
         optimizer: The compiled optimizer, a `LossScaleOptimizer` or not.
     """
 
-    # Sparse gradients (`tf.IndexedSlices`) scale their values.
-    _scaled = staticmethod(scaled_gradients)
+    @staticmethod
+    def _scaled(gradients, factor, keep):
+        # Sparse gradients (`tf.IndexedSlices`) scale their values.
+        return scaled_gradients(gradients, factor, keep)
 
     def is_built(self):
         return self.optimizer.built

@@ -50,7 +50,7 @@ from accum_model.keras3.stateless_adapter import StatelessAdapter
 from accum_model.keras3.torch_window import TorchAccumulation
 
 
-def accumulating_train_step(model, data):
+def train_step(model, data):
     """One micro step on PyTorch (eager): Keras's forward and backward
     pass, then the window instead of the optimizer."""
     accumulation = model._accumulation
@@ -125,49 +125,51 @@ class TorchModelDifferences:
         return super().make_train_function(force)
 
 
-def check_strategy(model):
-    """Refuses several PyTorch processes: Keras 3's `fit()` on PyTorch
-    trains on one device, and a window per process would never meet."""
-    del model
-    distributed = torch.distributed
-    if (distributed.is_available() and distributed.is_initialized()
-            and distributed.get_world_size() > 1):
-        raise ValueError(
-            "AccumulatingModel on PyTorch trains in one process on one "
-            "device: Keras 3 has no data-parallel fit() on PyTorch, and "
-            "windows in several processes would be applied apart. Train in "
-            "one process, or use the TensorFlow or JAX backend for several "
-            "devices. Received: torch.distributed world size "
-            f"{distributed.get_world_size()}")
-
-
-def accumulate_gradients(model, gradients, weight, batch_size=None):
-    """`AccumulatingModel.accumulate_gradients` on PyTorch (eager)."""
-    accumulation = model._accumulation
-    window = accumulation.window
-    gradients = list(gradients)
-    if len(gradients) != len(window.trainable_variables):
-        raise ValueError(
-            "Expected one gradient per trainable variable "
-            f"({len(window.trainable_variables)}). Received: "
-            f"{len(gradients)} gradients")
-    weight = ops.stop_gradient(ops.cast(weight, "float32"))
-    samples = (weight if batch_size is None
-               else ops.cast(batch_size, "float32"))
-    accumulation.divide_by_weight = True
-    accumulation.tracks_loss = False
-    accumulation._move_sums_to_state()
-    accumulation.add_micro_batch(
-        model, [None if g is None else ops.stop_gradient(g)
-                for g in gradients],
-        weight, ops.zeros((), "float32"), samples)
-
-
 class TorchAdapter(StatelessAdapter):
     """Keras 3 on PyTorch: the window in Keras's eager step."""
 
     Accumulation = TorchAccumulation
     ModelDifferences = TorchModelDifferences
-    accumulating_train_step = staticmethod(accumulating_train_step)
-    check_strategy = staticmethod(check_strategy)
-    accumulate_gradients = staticmethod(accumulate_gradients)
+
+    @staticmethod
+    def accumulating_train_step(model, data):
+        return train_step(model, data)
+
+    @staticmethod
+    def check_strategy(model):
+        """Refuses several PyTorch processes: Keras 3's `fit()` on PyTorch
+        trains on one device, and a window per process would never meet."""
+        del model
+        distributed = torch.distributed
+        if (distributed.is_available() and distributed.is_initialized()
+                and distributed.get_world_size() > 1):
+            raise ValueError(
+                "AccumulatingModel on PyTorch trains in one process on one "
+                "device: Keras 3 has no data-parallel fit() on PyTorch, and "
+                "windows in several processes would be applied apart. Train "
+                "in one process, or use the TensorFlow or JAX backend for "
+                "several "
+                "devices. Received: torch.distributed world size "
+                f"{distributed.get_world_size()}")
+
+    @staticmethod
+    def accumulate_gradients(model, gradients, weight, batch_size=None):
+        """`AccumulatingModel.accumulate_gradients` on PyTorch (eager)."""
+        accumulation = model._accumulation
+        window = accumulation.window
+        gradients = list(gradients)
+        if len(gradients) != len(window.trainable_variables):
+            raise ValueError(
+                "Expected one gradient per trainable variable "
+                f"({len(window.trainable_variables)}). Received: "
+                f"{len(gradients)} gradients")
+        weight = ops.stop_gradient(ops.cast(weight, "float32"))
+        samples = (weight if batch_size is None
+                   else ops.cast(batch_size, "float32"))
+        accumulation.divide_by_weight = True
+        accumulation.tracks_loss = False
+        accumulation._move_sums_to_state()
+        accumulation.add_micro_batch(
+            model, [None if g is None else ops.stop_gradient(g)
+                    for g in gradients],
+            weight, ops.zeros((), "float32"), samples)

@@ -6,7 +6,8 @@ in replica context. What differs between the two Kerases (how a loss is
 computed, reduced and logged, how normalization layers are intercepted)
 comes from each Keras's `Adapter`, handed in as `adapter`: its `losses`
 part, `unpack_x_y_sample_weight`, `logs_for_reduction`,
-`recording_batch_statistics` and `recording_loss_reductions`.
+`recording_batch_statistics` and `recording_loss_reductions`. Both
+adapters take their step's answers from `TensorFlowSteps`.
 """
 
 import functools
@@ -110,22 +111,6 @@ def default_micro_batch_weight(model, x, y_pred, adapter: Adapter):
                                   TF_SHAPES)
 
 
-def accumulate_gradients(model, gradients, weight, batch_size=None):
-    """`AccumulatingModel.accumulate_gradients` (replica context)."""
-    accumulation = model._accumulation
-    accumulation.ensure_state(model.trainable_variables,
-                              model.distribute_strategy)
-    weight = tf.cast(weight, tf.float32)
-    if batch_size is None:
-        batch_size = tf.constant(1)
-    accumulation.add_micro_batch(list(gradients), weight, batch_size)
-
-
-def replicas_in_sync(model):
-    """Int. Replicas the model trains on (its strategy's)."""
-    return model.distribute_strategy.num_replicas_in_sync
-
-
 def evaluating_like_one_device(model, test_function, adapter: Adapter):
     """`model`'s `test_function`, in which, under several replicas, each
     loss Keras reduces is the whole batch's
@@ -141,7 +126,7 @@ def evaluating_like_one_device(model, test_function, adapter: Adapter):
     and switches between them at each collective, so a replacement made
     and undone inside one replica's step would cross another's.
     """
-    if replicas_in_sync(model) == 1:
+    if model.distribute_strategy.num_replicas_in_sync == 1:
         return test_function
 
     @functools.wraps(test_function)
@@ -155,12 +140,6 @@ def evaluating_like_one_device(model, test_function, adapter: Adapter):
             return test_function(*args, **kwargs)
 
     return test_function_of_one_device
-
-
-def batch_split_ways():
-    """Int. How many equal parts each batch must split into across devices:
-    1, since a strategy's replicas may take parts of different sizes."""
-    return 1
 
 
 def check_strategy(strategy):
@@ -177,3 +156,38 @@ def check_strategy(strategy):
             "replica. Received: distribute_strategy="
             f"{strategy.__class__.__name__}"
         )
+
+
+class TensorFlowSteps:
+    """What an `Adapter` on TensorFlow answers of the step, in either Keras:
+    the micro step, evaluation as one device, the default micro-batch
+    weight, the replicas, and the gradients of a step of the user's own."""
+
+    def accumulating_train_step(self, model, data):
+        return train_step(model, data, adapter=self)
+
+    def unpack_x_y_sample_weight(self, data):
+        return self.keras.utils.unpack_x_y_sample_weight(data)
+
+    def evaluating_like_one_device(self, model, test_function):
+        return evaluating_like_one_device(model, test_function,
+                                          adapter=self)
+
+    def default_micro_batch_weight(self, model, x, y_pred):
+        return default_micro_batch_weight(model, x, y_pred, adapter=self)
+
+    @staticmethod
+    def replicas_in_sync(model):
+        """Int. Replicas the model trains on (its strategy's)."""
+        return model.distribute_strategy.num_replicas_in_sync
+
+    @staticmethod
+    def accumulate_gradients(model, gradients, weight, batch_size=None):
+        """`AccumulatingModel.accumulate_gradients` (replica context)."""
+        accumulation = model._accumulation
+        accumulation.ensure_state(model.trainable_variables,
+                                  model.distribute_strategy)
+        weight = tf.cast(weight, tf.float32)
+        if batch_size is None:
+            batch_size = tf.constant(1)
+        accumulation.add_micro_batch(list(gradients), weight, batch_size)
