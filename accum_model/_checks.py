@@ -426,47 +426,54 @@ def warn_if_layers_add_losses(model, warn):
         )
 
 
-def warn_if_activity_penalties_are_not_sums(model, warn):
-    """Warns when a layer's activity regularizer is not a sum over the
-    samples of its batch.
+def warn_if_activity_penalties_are_not_means(model, warn):
+    """Warns when a layer's activity penalty, as Keras adds it to the loss,
+    is not a mean over the samples of its batch.
 
-    Keras divides every activity penalty by the batch size, which makes a
-    sum of per-sample penalties (Keras's own `L1`, `L2`) a mean over the
-    batch, exact under a window. A regularizer that is already a mean, or
-    a function of the batch's statistics (a sparsity penalty on the mean
-    activation), is not: in a micro-batch it weighs n_gradients times as
-    much, or is taken of other statistics, and no weighting of the
-    micro-batches gives the large batch's. A regularizer is a sum when its
-    value on a batch given twice is twice its value on the batch; tried on
-    activations of the layer's output shape (or of 4 values where that is
-    not known).
+    A window averages its micro-batches' losses weighted by their samples,
+    which reproduces the large batch's penalty only where the penalty is
+    such a mean. keras 3.14 and newer, and Keras 2, divide every activity
+    penalty by the batch size, which makes a sum of per-sample penalties
+    (Keras's own `L1`, `L2`) a mean; keras 3.6-3.13 add the penalty as it
+    is, so a sum over the batch (`L1`, `L2`) weighs about n_gradients
+    times too little in a window. A penalty on the batch's statistics (a
+    sparsity penalty on the mean activation) is exact on neither. Tried on
+    two batches of activations of the layer's output shape (or of 4 values
+    where that is not known), of 3 and 5 samples, and on both together.
 
     Args:
         model: The model about to train.
         warn: Callable taking a message, warning once per model.
     """
-    not_sums = []
+    divided = adapter.losses.activity_penalty_is_a_mean()
+    not_means = []
     for layer in class_tree.layers_of(model):
         regularizer = getattr(layer, "activity_regularizer", None)
-        if regularizer is None or class_tree.is_keras_class(
-                type(regularizer)):
+        if regularizer is None or (divided and class_tree.is_keras_class(
+                type(regularizer))):
             continue
         activations = np.random.default_rng(0).uniform(
-            0.05, 0.95, size=(3,) + _sample_shape(layer)).astype("float32")
+            0.05, 0.95, size=(8,) + _sample_shape(layer)).astype("float32")
         try:
-            once = adapter.value_of_call(regularizer, activations)
-            twice = adapter.value_of_call(
-                regularizer, np.concatenate([activations, activations]))
+            first, second, both = (
+                adapter.value_of_call(regularizer, part)
+                for part in (activations[:3], activations[3:], activations))
         except Exception:  # noqa: BLE001 - any failure: it cannot be told
-            not_sums.append(layer.name)
+            not_means.append(layer.name)
             continue
-        if not math.isclose(twice, 2.0 * once, rel_tol=1e-4, abs_tol=1e-12):
-            not_sums.append(layer.name)
-    if not_sums:
+        # Divided by the batch size, a sum becomes a mean.
+        expected = (first + second if divided
+                    else (3.0 * first + 5.0 * second) / 8.0)
+        if not math.isclose(both, expected, rel_tol=1e-4, abs_tol=1e-12):
+            not_means.append(layer.name)
+    if not not_means:
+        return
+    if divided:
         warn(
-            f"Layers {not_sums} have an activity regularizer that is not a "
-            "sum over the samples of its batch (on activations given twice "
-            "it did not give twice its value, or could not be tried). Keras "
+            f"Layers {not_means} have an activity regularizer that is not a "
+            "sum over the samples of its batch (on two batches of "
+            "activations together it did not give the sum of its values on "
+            "each, or could not be tried). Keras "
             "divides every activity penalty by the batch size: a sum of "
             "per-sample penalties (as keras.regularizers.L2) becomes a mean, "
             "exact under accumulation, but a mean, or a penalty on the "
@@ -476,6 +483,22 @@ def warn_if_activity_penalties_are_not_sums(model, warn):
             "gives the large batch's. Return the sum of per-sample "
             "penalties, or accept the difference."
         )
+        return
+    warn(
+        f"Layers {not_means} have an activity regularizer whose penalty is "
+        "not a mean over the samples of its batch (on two batches of "
+        "activations together it did not give the mean of its values on "
+        "each, weighted by their samples, or could not be tried). keras "
+        f"{adapter.keras.__version__} adds an activity penalty to the loss "
+        "as it is, without dividing it by the batch size: the sum over the "
+        "batch that keras.regularizers.L1 and L2 give is taken of each "
+        "micro-batch and weighs about n_gradients times too little in the "
+        "window, and no weighting of the micro-batches gives the large "
+        "batch's. keras 3.14 and newer divide the penalty by the batch "
+        "size, which makes L1 and L2 exact: pip install 'keras>=3.14'. Or "
+        "return the mean of per-sample penalties (e.g. ops.mean of them), "
+        "exact on every Keras, or accept the difference."
+    )
 
 
 def warn_if_backups_fall_inside_windows(model, callbacks, warn):
@@ -690,7 +713,7 @@ def check_ready_to_accumulate(model, requested_class):
         warn(optimizer_stray)
     warn_if_batch_statistics_differ(model, warn)
     warn_if_layers_add_losses(model, warn)
-    warn_if_activity_penalties_are_not_sums(model, warn)
+    warn_if_activity_penalties_are_not_means(model, warn)
     warn_if_layers_write_variables(model, warn)
     warn_if_layers_carry_state(model, warn)
     warn_if_float16_weights_have_several_uses(model, warn)

@@ -54,21 +54,6 @@ def two_replicas_distribution():
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
 
-
-def _plain_step_sums_replicas():
-    """Whether Keras's own training step sums the replicas' mean losses,
-    taking N times the one-device gradient under N replicas: keras 3.6 and
-    3.7, which have no `scale_loss_for_distribution` (3.8 added it; Keras 2
-    divides each loss by the replicas)."""
-    if ON_KERAS_2:
-        return False
-    from keras.src.losses import loss
-
-    return not hasattr(loss, "scale_loss_for_distribution")
-
-
-PLAIN_STEP_SUMS_REPLICAS = _plain_step_sums_replicas()
-
 # Marks a test of a topic file that runs under Keras 2 too.
 keras_2_too = pytest.mark.keras_2_too
 

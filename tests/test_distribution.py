@@ -10,7 +10,6 @@ import pytest
 
 from accum_model import AccumulatingModel
 from backends import ON_KERAS_2
-from backends import PLAIN_STEP_SUMS_REPLICAS
 from backends import jax_only
 from backends import keras_2_too
 from backends import keras_3_only
@@ -205,16 +204,16 @@ def test_evaluation_under_two_replicas_is_one_devices(loss, two_replicas):
     # own means (1.3829 where one device gives 1.3909). A loss of one's own
     # that is one number for each replica's share (batches of 7 split 4
     # and 3 on TensorFlow; JAX splits equally) is weighed by its samples,
-    # which count its elements here. Keras 3.6 and 3.7 log the first
-    # replica's loss tracker alone, which weighs batches by that replica's
-    # share of them: batches of 8 there, each replica's loss the whole
-    # batch's (the first replica's own gave 1.3842 for 1.3866).
+    # which count its elements here. Keras 3.6 logs the first replica's
+    # loss tracker alone: there each replica's loss, and its weight, must
+    # be the whole batch's (the first replica's own gave 1.3842 for 1.3866
+    # with batches of 8).
     rng = np.random.default_rng(0)
     x = rng.integers(0, 10, (24, 5))
     y = rng.integers(0, 4, (24, 5))
     y[:4, :4] = 0
     sample_weight = None
-    batch_size = (7 if loss == "scalar_own" and not PLAIN_STEP_SUMS_REPLICAS
+    batch_size = (7 if loss == "scalar_own"
                   and keras.backend.backend() == "tensorflow" else 8)
     options = dict(from_logits=True)
     if loss == "ignore_class":
@@ -465,12 +464,9 @@ def test_losses_keras_leaves_undivided_match_one_device(two_replicas, shape):
                             verbose=0)
     assert iterations(model) == iterations(plain) == 6
     assert max_weight_difference(plain, model) <= TOLERANCE
-    # The reported loss is one device's too, not twice it. Before keras 3.8
-    # Keras's logs under replicas are not one device's, for its own step
-    # too (plain keras 3.6, same weights, learning rate 0: 0.9007 under two
-    # replicas, 0.8829 on one device), so this is not checked there.
-    if PLAIN_STEP_SUMS_REPLICAS:
-        return
+    # The reported loss is one device's too, not twice it (plain keras 3.6's
+    # own step logs 0.9007 under two replicas where one device logs 0.8829,
+    # same weights, learning rate 0).
     one_device = make(AccumulatingModel, n_gradients=4)
     one_device.compile(optimizer=OPTIMIZERS["sgd"](), loss=loss)
     one_device.set_weights(make(keras.Model).get_weights())
@@ -478,6 +474,27 @@ def test_losses_keras_leaves_undivided_match_one_device(two_replicas, shape):
                                         shuffle=False, verbose=0)
     np.testing.assert_allclose(history.history["loss"],
                                one_device_history.history["loss"], rtol=1e-5)
+
+
+def test_logged_loss_with_uneven_replica_shares_is_one_devices(two_replicas):
+    # Batches of 7 split 4 and 3 on TensorFlow, and the last of 50 samples
+    # 1 and 0: each window's loss counts by the whole window's samples, also
+    # where Keras logs the first replica's tracker alone (keras 3.6).
+    x, y = regression_data(samples=50)
+    with two_replicas.scope():
+        model = mlp(AccumulatingModel, n_gradients=3)
+        model.compile(optimizer=OPTIMIZERS["sgd"](), loss="mse")
+    one_device = mlp(AccumulatingModel, n_gradients=3)
+    one_device.compile(optimizer=OPTIMIZERS["sgd"](), loss="mse")
+    one_device.set_weights(model.get_weights())
+    with two_replicas.scope():
+        history = model.fit(x, y, batch_size=7, epochs=2, shuffle=False,
+                            verbose=0)
+    expected = one_device.fit(x, y, batch_size=7, epochs=2, shuffle=False,
+                              verbose=0)
+    assert max_weight_difference(one_device, model) <= TOLERANCE
+    np.testing.assert_allclose(history.history["loss"],
+                               expected.history["loss"], rtol=1e-5)
 
 
 @tensorflow_only("tf.distribute strategies")

@@ -34,9 +34,10 @@ class Adapter:
 
     # The functions each part (a module of the Keras in use) holds.
     PARTS = {
-        "losses": ("compute_loss", "get_keras_mask", "logged_loss_totals",
+        "losses": ("activity_penalty_is_a_mean", "compute_loss",
+                   "get_keras_mask", "logged_loss_totals",
                    "loss_logged_by_window", "losses_not_divided_by_replicas",
-                   "track_loss"),
+                   "track_loss", "tracker_weighing_all_samples"),
         "saving": ("clones_through_constructor",
                    "functional_constructor_signature", "register_plain_name",
                    "serialize_as", "unsafe_deserialization",

@@ -64,6 +64,20 @@ def track_loss(model, loss, batch_size):
         metric.update_state(loss, sample_weight=batch_size)
 
 
+def tracker_weighing_all_samples(model, all_samples):
+    """Nothing to change: Keras 2 sums its metrics over the replicas, so a
+    loss that is the whole batch's on every replica logs one device's."""
+    del model, all_samples
+    return contextlib.nullcontext()
+
+
+def activity_penalty_is_a_mean():
+    """True: Keras 2 divides a layer's activity penalty by the batch size
+    (`Layer._handle_activity_regularization`, keras 2.13.1 and tf-keras
+    2.21.0)."""
+    return True
+
+
 def logged_loss_totals(model):
     """The "loss" `fit()` logs now as `(total, count)` floats, the sums of
     Keras's `Mean` (the logged loss is total / count), or None without one.

@@ -28,8 +28,9 @@ LOSS_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight",
 @functools.cache
 def activity_penalty_is_a_mean():
     """Whether this Keras divides a layer's activity penalty by the batch
-    size (keras 3.15.1 does; 3.6.0 sums it over the batch). Call it
-    eagerly: it runs a layer."""
+    size (keras 3.14 and newer do, measured on 3.15.1; 3.6-3.13 sum it over
+    the batch, measured on 3.6.0 and 3.10.0). Call it eagerly: it runs a
+    layer."""
     layer = keras.layers.Activation("linear", activity_regularizer="l2")
     penalties = []
     for rows in (1, 2):
@@ -70,6 +71,37 @@ def track_loss(model, loss, batch_size):
     tracker = getattr(model, "_loss_tracker", None)
     if tracker is not None:
         tracker.update_state(loss, sample_weight=batch_size)
+
+
+@contextlib.contextmanager
+def tracker_weighing_all_samples(model, all_samples):
+    """Inside the block, Keras's loss tracker weighs each loss by
+    `all_samples(samples)`, the samples of the step on all replicas, where
+    its own step hands in one replica's.
+
+    Keras 3.6 reads the first replica's tracker alone under a
+    `MirroredStrategy` (its metric variables are not aggregated; measured
+    on keras 3.6.0); keras 3.10.0 and 3.15.1 sum the replicas' trackers.
+    A loss that is the whole batch's on every replica, weighed by the
+    whole batch's samples, logs one device's either way. Keras's `test_step` updates the private
+    `Trainer._loss_tracker` (checked on keras 3.6.0, 3.10.0 and 3.15.1).
+    """
+    tracker = getattr(model, "_loss_tracker", None)
+    if tracker is None:
+        yield
+        return
+    update_state = tracker.update_state
+
+    def weighing_all_samples(values, sample_weight=None):
+        if sample_weight is not None:
+            sample_weight = all_samples(sample_weight)
+        return update_state(values, sample_weight=sample_weight)
+
+    tracker.update_state = weighing_all_samples
+    try:
+        yield
+    finally:
+        del tracker.update_state
 
 
 def loss_logged_by_window(model):

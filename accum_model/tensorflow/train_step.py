@@ -132,6 +132,8 @@ def evaluating_like_one_device(model, test_function, adapter: Adapter):
     @functools.wraps(test_function)
     def test_function_of_one_device(*args, **kwargs):
         with adapter.losses.losses_not_divided_by_replicas(), \
+                adapter.losses.tracker_weighing_all_samples(
+                    model, _summed_over_replicas), \
                 adapter.recording_loss_reductions(
                     reduced=functools.partial(
                         replicas.reduced_as_one_device,
@@ -140,6 +142,11 @@ def evaluating_like_one_device(model, test_function, adapter: Adapter):
             return test_function(*args, **kwargs)
 
     return test_function_of_one_device
+
+
+def _summed_over_replicas(samples):
+    """Replica context: `samples` summed over the replicas, in float32."""
+    return replicas.sum_over_replicas(lambda: tf.cast(samples, tf.float32))
 
 
 def check_strategy(strategy):

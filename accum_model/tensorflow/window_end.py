@@ -30,7 +30,7 @@ class WindowEnd:
             follows from them: `core.window.end_checks`).
         report_loss: Callable `(loss, samples)`, run in replica context for
             each window that saw samples, with the window's loss (the large
-            batch's) and the replica's samples in it; or None.
+            batch's) and its samples on all replicas; or None.
         float16_gradients: For each trainable variable, whether the large
             batch's gradient of it is float16 (`WindowConfig.float16`); or
             None.
@@ -140,10 +140,12 @@ class WindowEnd:
 
         def report_and_move_statistics():
             if self.report_loss is not None and window.tracks_loss:
+                # Every replica reports the whole window, by all its
+                # samples: one device's loss whether Keras's tracker sums
+                # the replicas or reads the first one's (keras 3.6).
                 window_loss = core_window.loss(config, whole_totals, TF_OPS)
                 replicas.for_each_replica(
-                    lambda: self.report_loss(window_loss,
-                                             window.sample_sum.value()))
+                    lambda: self.report_loss(window_loss, total_samples))
             if statistics.calls:
                 replicas.for_each_replica(statistics.apply, statistics_totals)
 
