@@ -445,6 +445,13 @@ def warn_if_activity_penalties_are_not_means(model, warn):
         model: The model about to train.
         warn: Callable taking a message, warning once per model.
     """
+    losses = flatten(model.loss)
+    if losses and all(getattr(loss, "reduction", None) == "sum"
+                      for loss in losses):
+        # A window of losses reduced with "sum" adds its micro-batches'
+        # penalties up; the loss's own warning speaks of other losses then
+        # (`divisor.micro_batch_weight`).
+        return
     divided = adapter.losses.activity_penalty_is_a_mean()
     not_means = []
     for layer in class_tree.layers_of(model):

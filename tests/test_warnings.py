@@ -390,6 +390,28 @@ def test_activity_regularizers_are_named_where_they_leave_the_large_batch(
         assert ("pip install 'keras>=3.14'" in named[0]) == (not divided)
 
 
+def test_activity_penalty_beside_a_summed_loss_is_named_where_inexact():
+    # A window of a loss reduced with "sum" adds its micro-batches up: an
+    # L2 penalty added undivided (keras 3.6-3.13) adds up to the large
+    # batch's, one divided by the batch size does not, and the loss's
+    # warning names the other losses there. (Where it is exact, the loss's
+    # warning still speaks of other losses, as of a kernel regularizer's.)
+    divided = adapter.losses.activity_penalty_is_a_mean()
+    x, y = regression_data(samples=32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain, model = fit_both(
+            _sigmoid_regularized("l2"), lambda: keras.optimizers.SGD(0.01),
+            x, y, micro_batch=4, n_gradients=4,
+            loss=keras.losses.MeanSquaredError(reduction="sum"))
+    messages = [str(w.message) for w in caught]
+    exact = max_weight_difference(plain, model) <= 1e-6
+    assert exact == (not divided)
+    assert not [m for m in messages if "activity regularizer" in m]
+    if divided:
+        assert [m for m in messages if "adds other losses" in m]
+
+
 def test_activity_penalty_beside_a_loss_of_valid_elements_is_named():
     # `ignore_class` makes the loss a mean over the labels not ignored, the
     # weight of each micro-batch; the activity penalty is per sample.
