@@ -507,10 +507,11 @@ class JaxAdapter(StatelessAdapter):
 
     @staticmethod
     def batch_split_ways():
-        """Int. How many equal parts `keras.distribution` cuts each batch that
-        `fit()` is given into: the devices along its batch axis (1 without a
-        distribution) that this process feeds. With several processes each
-        hands `fit()` its own share of the batch, cut over its own devices."""
+        """Int. How many equal parts `keras.distribution` cuts each batch
+        that `fit()` is given into: the devices along its batch axis (1
+        without a distribution) that this process feeds. With several
+        processes each hands `fit()` its own share of the batch, cut over
+        its own devices."""
         distribution = keras.distribution.distribution()
         if distribution is None:
             return 1
@@ -530,8 +531,7 @@ class JaxAdapter(StatelessAdapter):
             raise ValueError(
                 "`optimizer_variables` must be the optimizer values of the "
                 "`state` your `train_step(self, state, data)` received, "
-                "whole: "
-                "the window rides last among them. Received: "
+                "whole: the window rides last among them. Received: "
                 f"{len(optimizer_variables)} values, the last of type "
                 f"{type(window).__name__}")
         gradients = list(gradients)

@@ -83,8 +83,9 @@ def tracker_weighing_all_samples(model, all_samples):
     `MirroredStrategy` (its metric variables are not aggregated; measured
     on keras 3.6.0); keras 3.10.0 and 3.15.1 sum the replicas' trackers.
     A loss that is the whole batch's on every replica, weighed by the
-    whole batch's samples, logs one device's either way. Keras's `test_step` updates the private
-    `Trainer._loss_tracker` (checked on keras 3.6.0, 3.10.0 and 3.15.1).
+    whole batch's samples, logs one device's either way. Keras's
+    `test_step` updates the private `Trainer._loss_tracker` (checked on
+    keras 3.6.0, 3.10.0 and 3.15.1).
     """
     tracker = getattr(model, "_loss_tracker", None)
     if tracker is None:

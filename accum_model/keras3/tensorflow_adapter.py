@@ -146,11 +146,13 @@ class TensorFlowAdapter(tf_step.TensorFlowSteps, Keras3Adapter):
     def executions_stop_cleanly_at_end_of_data():
         """Whether `steps_per_execution > 1` ends an epoch between steps.
 
-        From keras 3.8 on (checked on 3.10 and 3.15) the TensorFlow trainer
-        builds its train function in `TensorFlowTrainer._make_function`, whose
-        loop asks `get_next_as_optional` before each step. keras 3.6's runs
-        `next(iterator)` steps in one `tf.function`, and when the data runs out
-        inside an execution part of a step's updates may already have run.
+        From keras 3.8 on (checked on 3.10 and 3.15) the TensorFlow
+        trainer builds its train function in
+        `TensorFlowTrainer._make_function`, whose loop asks
+        `get_next_as_optional` before each step. keras 3.6's runs
+        `next(iterator)` steps in one `tf.function`, and when the data runs
+        out inside an execution part of a step's updates may already have
+        run.
         """
         from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
@@ -158,14 +160,15 @@ class TensorFlowAdapter(tf_step.TensorFlowSteps, Keras3Adapter):
 
     @staticmethod
     def logs_for_reduction(logs, strategy):
-        """Shapes `train_step` logs so that Keras can reduce them over workers.
+        """Shapes `train_step` logs so that Keras can reduce them over
+        workers.
 
         Under MultiWorkerMirroredStrategy in multi-worker mode, Keras's
         `reduce_per_replica` averages each log with
-        `strategy.reduce("MEAN", value, axis=0)`, which raises "Invalid reduction
-        dimension 0 for input with 0 dimensions" on the scalar logs every
-        `train_step` returns. Giving scalars one axis of length 1 makes that
-        reduction the mean over replicas, a scalar again.
+        `strategy.reduce("MEAN", value, axis=0)`, which raises "Invalid
+        reduction dimension 0 for input with 0 dimensions" on the scalar
+        logs every `train_step` returns. Giving scalars one axis of length
+        1 makes that reduction the mean over replicas, a scalar again.
         """
         multi_worker = isinstance(
             strategy, tf.distribute.MultiWorkerMirroredStrategy
@@ -179,11 +182,12 @@ class TensorFlowAdapter(tf_step.TensorFlowSteps, Keras3Adapter):
 
     @staticmethod
     def is_foreign_layer(value):
-        """Whether `value` is a Keras 2 layer, whose weights Keras 3 does not see.
+        """Whether `value` is a Keras 2 layer, whose weights Keras 3 does
+        not see.
 
-        Keras 2 (`tf_keras`, or TensorFlow 2.15's own) layers are `tf.Module`s,
-        and Keras 3 layers are not; Keras 3 tracks neither their weights nor
-        their sub-layers.
+        Keras 2 (`tf_keras`, or TensorFlow 2.15's own) layers are
+        `tf.Module`s, and Keras 3 layers are not; Keras 3 tracks neither
+        their weights nor their sub-layers.
         """
         return (isinstance(value, tf.Module)
                 and hasattr(value, "trainable_weights")

@@ -148,8 +148,7 @@ class TorchAdapter(StatelessAdapter):
                 "device: Keras 3 has no data-parallel fit() on PyTorch, and "
                 "windows in several processes would be applied apart. Train "
                 "in one process, or use the TensorFlow or JAX backend for "
-                "several "
-                "devices. Received: torch.distributed world size "
+                "several devices. Received: torch.distributed world size "
                 f"{distributed.get_world_size()}")
 
     @staticmethod
