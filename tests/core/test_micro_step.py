@@ -125,3 +125,20 @@ def test_a_reduced_loss_is_kept_for_the_weight_and_decides_the_divisor():
         model, _reductions("sum_over_batch_size"), y_pred,
         lambda output: None, _NUMPY_SHAPES)
     assert not model._accumulation.warnings
+
+
+def test_a_scalar_loss_keeps_the_rows_it_was_taken_over():
+    # Replicas' scalars of one's own are averaged by their samples in
+    # evaluation (`replicas.reduced_as_one_device`); a loss of per-element
+    # values has a divisor instead.
+    prediction = np.zeros((5, 3), "float32")
+    scalar = divisor.reduction_of(np.float32(0.7), "sum_over_batch_size",
+                                  _NUMPY_SHAPES, prediction=prediction)
+    assert scalar.divisor is None and scalar.samples == 5
+    per_element = divisor.reduction_of(
+        np.ones((5, 3), "float32"), "sum_over_batch_size", _NUMPY_SHAPES,
+        prediction=prediction)
+    assert per_element.samples is None and per_element.divisor == 15
+    unknown = divisor.reduction_of(np.float32(0.7), "sum_over_batch_size",
+                                   _NUMPY_SHAPES)
+    assert unknown.divisor is None and unknown.samples is None
