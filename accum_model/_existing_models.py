@@ -40,7 +40,7 @@ def check_is_keras_model(model, taker):
 
 def accumulating(model, n_gradients=None, flush_each_epoch=True,
                  accumulator_dtype="float32", measure_noise_scale=False,
-                 **unknown):
+                 micro_batch_size=None, **unknown):
     """Makes an existing Keras model accumulate gradients.
 
     The model itself is changed and returned: its class becomes a subclass
@@ -65,6 +65,9 @@ def accumulating(model, n_gradients=None, flush_each_epoch=True,
         flush_each_epoch: Bool. See `AccumulatingModel`.
         accumulator_dtype: See `AccumulatingModel`.
         measure_noise_scale: Bool. See `AccumulatingModel`.
+        micro_batch_size: None, or an int >= 1. See `AccumulatingModel`.
+            Given alone, `n_gradients` is 1: one update per batch of
+            `fit()`, split into micro-batches of this size.
 
     Returns:
         `model`, now an instance of `AccumulatingModel` as well.
@@ -73,10 +76,12 @@ def accumulating(model, n_gradients=None, flush_each_epoch=True,
         ValueError: A setting is out of range, or `model` has a window open
             (`model.apply_open_window()` first) and the settings differ.
     """
+    if n_gradients is None and micro_batch_size is not None:
+        n_gradients = 1
     if unknown or n_gradients is None:
         _refuse_arguments(unknown)
     settings = Settings(n_gradients, flush_each_epoch, accumulator_dtype,
-                        measure_noise_scale)
+                        measure_noise_scale, micro_batch_size)
     check_is_keras_model(model, "accumulating")
     if not isinstance(model, AccumulatingModel):
         model.__class__ = accumulating_class(type(model))
@@ -91,7 +96,9 @@ def _refuse_arguments(unknown):
     if not unknown:
         raise TypeError("accumulating() needs `n_gradients`, the "
                         "micro-batches per update: an int >= 1 or a "
-                        "schedule {epoch: n}")
+                        "schedule {epoch: n}; or `micro_batch_size`, the "
+                        "samples of the micro-batches each batch is split "
+                        "into")
     name = next(iter(unknown))
     raise TypeError(unexpected_keyword("accumulating", name, unknown[name],
                                        taken, listed=True))

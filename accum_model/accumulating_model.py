@@ -129,6 +129,15 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
             cost of one squared norm per micro-batch. Training batches far
             above it mostly waste compute. Needs windows of 2 or more
             micro-batches; an epoch with none carries no `noise_scale`.
+        micro_batch_size: None (default), or an int >= 1: each batch
+            `fit()` hands the training step (per replica, under a
+            distribution) is split inside that step into micro-batches of
+            at most this many samples, whose gradients go into the window
+            together. `fit(batch_size=256)` with `micro_batch_size=32`
+            applies one update per batch of 256 while holding the
+            activations of 32: steps, callbacks, schedules and progress
+            bars count the batches of `fit()`. With `n_gradients=n` too, a
+            window is n such batches.
         **kwargs: Passed to `keras.Model`.
     """
 
@@ -149,9 +158,9 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
 
     def __init__(self, *args, n_gradients=1, flush_each_epoch=True,
                  accumulator_dtype="float32", measure_noise_scale=False,
-                 **kwargs):
+                 micro_batch_size=None, **kwargs):
         settings = Settings(n_gradients, flush_each_epoch, accumulator_dtype,
-                            measure_noise_scale)
+                            measure_noise_scale, micro_batch_size)
         _checks.check_keyword_arguments(
             type(self), kwargs,
             _model_classes.is_functional_call(args, kwargs),
@@ -245,6 +254,11 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
     measure_noise_scale = _setting(
         "measure_noise_scale",
         "Bool. Whether epochs log the gradient noise scale, `noise_scale`.",
+    )
+    micro_batch_size = _setting(
+        "micro_batch_size",
+        "None, or int: the most samples of a micro-batch that each step "
+        "splits its batch into.",
     )
 
     # Public state ----------------------------------------------------------

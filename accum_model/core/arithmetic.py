@@ -72,12 +72,14 @@ def window_loss(loss_sum, total_weight, divide_by_weight, ops):
 
 
 def micro_batch_share(length, micro_steps, steps_left_in_epoch, replicas,
-                      ops, divide_by_weight=True):
+                      ops, divide_by_weight=True, micro_batches=1):
     """Float32: the part of its window one replica's micro-batch is.
 
-    1/(n * replicas), where n is the window's `length`, or the micro steps
-    the epoch has left when those are fewer (`steps_left_in_epoch` counts
-    this step; negative when unknown). A micro-batch's loss scaled by the
+    1/(n * replicas * micro_batches), where n is the window's `length`, or
+    the micro steps the epoch has left when those are fewer
+    (`steps_left_in_epoch` counts this step; negative when unknown), and
+    `micro_batches` what each step splits its batch into
+    (`micro_batch_size`). A micro-batch's loss scaled by the
     loss scale times this share has the large batch's per-sample terms in
     its backward pass, so it overflows where the large batch would. A loss
     reduced with "sum" (`divide_by_weight` False) has them already: 1.
@@ -88,7 +90,8 @@ def micro_batch_share(length, micro_steps, steps_left_in_epoch, replicas,
         steps_left_in_epoch >= 0,
         ops.minimum(length, micro_steps + steps_left_in_epoch), length,
     )
-    return 1.0 / ops.to_float32(ops.maximum(expected, 1) * replicas)
+    return 1.0 / (ops.to_float32(ops.maximum(expected, 1) * replicas)
+                  * ops.to_float32(micro_batches))
 
 
 def fits_float16(largest_sum, loss_scale, total_weight):

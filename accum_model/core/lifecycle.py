@@ -42,6 +42,9 @@ class WindowLifecycle:
             of 1 too: Keras's own step strays there from the one-device
             large batch (it clips each replica's share, and averages the
             replicas' means of a masked or `ignore_class` loss).
+        micro_batches_in_step: Int (or a scalar of the backend, traced):
+            the micro-batches the step being run splits its batch into
+            (`micro_batch_size`); 1 outside such a step.
     """
 
     def __init__(self, settings):
@@ -53,6 +56,7 @@ class WindowLifecycle:
         self.weight_from_batch_size = False
         self.own_step_feeds_window = False
         self.several_replicas = False
+        self.micro_batches_in_step = 1
         # The loss elements per sample each loss term met in the micro
         # steps (see `divisor.warn_if_padded_length_varies`).
         self.elements_per_sample_seen = {}

@@ -72,3 +72,30 @@ def logged(logs, skipped_windows, loss_scaled, settings):
     if not shows_skipped_windows(loss_scaled, settings):
         return logs
     return {**logs, SKIPPED_WINDOWS: skipped_windows()}
+
+
+# A batch split inside the step (`micro_batch_size`) -------------------------
+#
+# The step runs the batch's micro-batches one after another into the window.
+# The first counts as the step's micro step, so that windows, epochs and
+# schedules count the batches `fit()` hands out; the others add their
+# gradients, weights and samples without counting; the window may end only
+# after the last.
+
+
+def micro_batch_count(batch_size, micro_batch_size, ops=None):
+    """How many micro-batches of at most `micro_batch_size` samples a batch
+    of `batch_size` splits into: at least 1 (an empty batch is one empty
+    micro-batch). `batch_size` is an int, or an int scalar of the backend
+    whose `ArrayOps` is `ops`."""
+    count = (batch_size + micro_batch_size - 1) // micro_batch_size
+    if ops is None:
+        return max(count, 1)
+    return ops.maximum(count, 1)
+
+
+def micro_batch_bounds(batch_size, micro_batch_size):
+    """The `(start, stop)` rows of each micro-batch of a batch of the int
+    `batch_size` (`micro_batch_count` of them; the last may be short)."""
+    return [(start, min(start + micro_batch_size, batch_size))
+            for start in range(0, max(batch_size, 1), micro_batch_size)]

@@ -5,6 +5,9 @@ their (0-based) epoch on, with windows of 1 before the smallest key.
 `flush_each_epoch` says whether a window ends with its epoch.
 `accumulator_dtype` is the dtype the accumulators sum in.
 `measure_noise_scale` says whether windows measure the gradient noise scale.
+`micro_batch_size` splits each batch `fit()` hands the step into micro-batches
+of at most that many samples, all in the window (None: one micro-batch per
+batch).
 """
 
 import numbers
@@ -111,6 +114,24 @@ def check_measure_noise_scale(measure_noise_scale, n_gradients):
     return measure_noise_scale
 
 
+def check_micro_batch_size(micro_batch_size):
+    """Returns `micro_batch_size` (None or an int >= 1), or raises.
+
+    Raises:
+        ValueError: Neither None nor an int >= 1.
+    """
+    if micro_batch_size is None:
+        return None
+    if not _is_int(micro_batch_size) or micro_batch_size < 1:
+        raise ValueError(
+            "`micro_batch_size` must be None (each batch is one "
+            "micro-batch) or an integer >= 1, the most samples of a "
+            "micro-batch that a step splits its batch into (per replica). "
+            f"Received: micro_batch_size={micro_batch_size!r}"
+        )
+    return int(micro_batch_size)
+
+
 class Settings:
     """The constructor arguments of an accumulating model, validated.
 
@@ -119,6 +140,7 @@ class Settings:
         flush_each_epoch: Bool.
         accumulator_dtype: One of `ACCUMULATOR_DTYPES`.
         measure_noise_scale: Bool.
+        micro_batch_size: None, or an int >= 1.
 
     Raises:
         ValueError: An argument is not one of its allowed values; the message
@@ -128,16 +150,19 @@ class Settings:
 
     # The defaults of the model's constructor and of `accumulating()`.
     DEFAULTS = {"n_gradients": 1, "flush_each_epoch": True,
-                "accumulator_dtype": "float32", "measure_noise_scale": False}
+                "accumulator_dtype": "float32", "measure_noise_scale": False,
+                "micro_batch_size": None}
 
     def __init__(self, n_gradients=1, flush_each_epoch=True,
-                 accumulator_dtype="float32", measure_noise_scale=False):
+                 accumulator_dtype="float32", measure_noise_scale=False,
+                 micro_batch_size=None):
         self.n_gradients = check_n_gradients(n_gradients)
         self.flush_each_epoch = check_flush_each_epoch(flush_each_epoch)
         self.accumulator_dtype = check_accumulator_dtype(accumulator_dtype)
         self.measure_noise_scale = check_measure_noise_scale(
             measure_noise_scale, self.n_gradients
         )
+        self.micro_batch_size = check_micro_batch_size(micro_batch_size)
 
     @classmethod
     def from_config(cls, config, defaults=None):
@@ -169,11 +194,12 @@ class Settings:
     def accumulates(self):
         """Whether windows may hold more than one micro-batch.
 
-        Only `n_gradients=1` (the int) trains with Keras's own step; a
-        schedule accumulates even in its epochs of windows of 1, so that the
-        optimizer state and the counters carry across its changes.
+        Only `n_gradients=1` (the int) without `micro_batch_size` trains
+        with Keras's own step; a schedule accumulates even in its epochs of
+        windows of 1, so that the optimizer state and the counters carry
+        across its changes.
         """
-        return self.n_gradients != 1
+        return self.n_gradients != 1 or self.micro_batch_size is not None
 
     def length_for_epoch(self, epoch):
         """Int. Micro-batches per window in the 0-based `epoch`."""

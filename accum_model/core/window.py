@@ -198,8 +198,8 @@ def counters_added(config, state, gradients, weight, loss, samples, ops,
                    counts=True):
     """Everything `added` moves but the gradient sums: weight, loss,
     samples, counters and noise sums."""
-    step = 1 if counts is True else ops.cast(
-        counts, ops.dtype_name(state.micro_steps))
+    step = (1 if counts is True else 0 if counts is False
+            else ops.cast(counts, ops.dtype_name(state.micro_steps)))
     loss_sum = state.loss_sum
     if loss is not None:
         loss_sum = loss_sum + arithmetic.weighted_loss(

@@ -59,6 +59,7 @@ from accum_model.core import divisor
 from accum_model.core import micro_step
 from accum_model.core.window import WindowState
 from accum_model.keras3 import losses
+from accum_model.keras3 import jax_window
 from accum_model.keras3 import stateless_window
 from accum_model.keras3.jax_window import JaxAccumulation
 from accum_model.keras3.jax_window import window_sharding as _window_sharding
@@ -67,8 +68,69 @@ from accum_model.keras3.stateless_ops import KERAS_OPS
 from accum_model.keras3.stateless_ops import KERAS_SHAPES
 
 
-def train_step(model, state, data):
-    """One micro step on JAX: pure, `(state, data) -> (logs, state)`."""
+def micro_batches_step(model, state, data):
+    """One step on JAX whose batch is split into micro-batches of at most
+    `micro_batch_size` samples per device (`core.micro_step`), run one
+    after another inside the compiled step: pure, `(state, data) ->
+    (logs, state)`.
+
+    The micro-batches of full size but the last run in a `lax.scan`, which
+    holds one micro-batch's activations at a time (steps written out one
+    after another let XLA keep every micro-batch's alive at once); the
+    last, the one the window may end with, runs after it. Under
+    `DataParallel` each device splits its own rows: a micro-batch holds
+    every device's next block of rows, so no row moves between devices,
+    and the window's sums stay per device until the window ends.
+    """
+    accumulation = model._accumulation
+    micro_batch_size = accumulation.settings.micro_batch_size
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+    batch_size = int(divisor.batch_size(x, KERAS_SHAPES))
+    devices = jax_window.batch_devices()
+    if batch_size % devices:
+        devices = 1
+    bounds = micro_step.micro_batch_bounds(batch_size // devices,
+                                           micro_batch_size)
+    scanned = len(bounds) - 1
+
+    def rows(start, size):
+        # `start` may be traced: each device's rows `start` to
+        # `start + size`, devices' blocks one after another.
+        def of(value):
+            if jnp.ndim(value) == 0:
+                return value
+            shape = tuple(jnp.shape(value))
+            blocks = jax.lax.dynamic_slice_in_dim(
+                jnp.reshape(value, (devices, shape[0] // devices)
+                            + shape[1:]), start, size, axis=1)
+            return jnp.reshape(blocks, (devices * size,) + shape[1:])
+        return keras.tree.map_structure(of, data)
+
+    def scanned_micro_batch(carry, _):
+        index, state = carry
+        _, new_state = train_step(
+            model, state, rows(index * micro_batch_size, micro_batch_size),
+            counts=index == 0, may_end=False)
+        new_state = jax.tree.map(
+            lambda new, old: jnp.asarray(new, jnp.result_type(old)),
+            new_state, state)
+        return (index + 1, new_state), None
+
+    accumulation.micro_batches_in_step = len(bounds)
+    try:
+        if scanned:
+            (_, state), _ = jax.lax.scan(scanned_micro_batch, (0, state),
+                                         length=scanned)
+        start, stop = bounds[-1]
+        return train_step(model, state, rows(start, stop - start),
+                          counts=not scanned)
+    finally:
+        accumulation.micro_batches_in_step = 1
+
+
+def train_step(model, state, data, counts=True, may_end=True):
+    """One micro step on JAX: pure, `(state, data) -> (logs, state)`.
+    (`counts` and `may_end`: see `stateless_window.add_micro_batch`.)"""
     accumulation = model._accumulation
     (trainable, non_trainable, optimizer_and_window,
      metrics_values) = state
@@ -138,14 +200,16 @@ def train_step(model, state, data):
     (trainable, non_trainable, optimizer_values, window, ends, window_loss,
      window_samples) = stateless_window.add_micro_batch(
         accumulation, list(trainable), optimizer_values, window, gradients,
-        weight, loss, samples, non_trainable, moments)
+        weight, loss, samples, non_trainable, moments, counts, may_end)
 
     # The loss in the logs is each window's, logged when it ends, weighted
     # by its samples as Keras weighs a batch's.
     with keras.StatelessScope(state_mapping=list(
             zip(model.metrics_variables, metrics_values))) as scope:
-        model._loss_tracker.update_state(
-            window_loss, sample_weight=jnp.where(ends, window_samples, 0.0))
+        if ends is not False:
+            model._loss_tracker.update_state(
+                window_loss,
+                sample_weight=jnp.where(ends, window_samples, 0.0))
         logs = model.compute_metrics(x, y, y_pred, sample_weight)
         if "loss" in logs:
             # Until a window ends in the epoch the tracker is empty: the
@@ -485,6 +549,8 @@ class JaxAdapter(StatelessAdapter):
 
     @staticmethod
     def accumulating_train_step(model, state, data):
+        if model._accumulation.settings.micro_batch_size is not None:
+            return micro_batches_step(model, state, data)
         return train_step(model, state, data)
 
     @staticmethod

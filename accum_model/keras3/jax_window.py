@@ -42,19 +42,27 @@ class DeviceBlocks(typing.NamedTuple):
         return NamedSharding(self.mesh, PartitionSpec(self.axis))
 
 
+def batch_devices():
+    """Int. The devices a batch is split over (`DataParallel`'s batch
+    axis), or 1."""
+    distribution = keras.distribution.distribution()
+    if not isinstance(distribution, keras.distribution.DataParallel):
+        return 1
+    mesh = distribution.device_mesh
+    return int(dict(zip(mesh.axis_names, mesh.shape)).get(
+        distribution.batch_dim_name, 1))
+
+
 def device_blocks():
     """The `DeviceBlocks` of the current `keras.distribution`, or None
     where the window keeps one sum per variable: on one device, or under
     `ModelParallel`, whose variables are laid out by its own map."""
-    distribution = keras.distribution.distribution()
-    if not isinstance(distribution, keras.distribution.DataParallel):
-        return None
-    mesh = distribution.device_mesh
-    count = int(dict(zip(mesh.axis_names, mesh.shape)).get(
-        distribution.batch_dim_name, 1))
+    count = batch_devices()
     if count < 2:
         return None
-    return DeviceBlocks(mesh.backend_mesh, distribution.batch_dim_name, count)
+    distribution = keras.distribution.distribution()
+    return DeviceBlocks(distribution.device_mesh.backend_mesh,
+                        distribution.batch_dim_name, count)
 
 
 class JaxAccumulation(stateless_window.StatelessAccumulation):

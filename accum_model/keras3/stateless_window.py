@@ -146,7 +146,7 @@ class StatelessAccumulation(WindowLifecycle):
             return 1.0
         return arithmetic.micro_batch_share(
             state.length, state.micro_steps, state.steps_left_in_epoch, 1,
-            KERAS_OPS, self.divide_by_weight)
+            KERAS_OPS, self.divide_by_weight, self.micro_batches_in_step)
 
     def opens_window(self):
         """Bool scalar: whether the micro step being run is its window's
@@ -337,25 +337,29 @@ class _Window:
 
 def add_micro_batch(accumulation, trainable, optimizer_values, window,
                     gradients, weight, loss, samples, non_trainable=None,
-                    moments=None):
+                    moments=None, counts=True, may_end=True):
     """Adds a micro-batch (and its normalization layers' `moments`) to the
     window and applies the window when it is due; returns the new
     (trainable, non-trainable, optimizer values, window), whether the
     window ended, its loss and its samples. `gradients` is None where the
     backend has already added them to the sums it holds itself
-    (`with_held_sums`)."""
+    (`with_held_sums`). A batch's micro-batches after its first
+    (`micro_batch_size`) do not count as micro steps (`counts`), and the
+    window may end only with its last (`may_end`)."""
     config = accumulation.window_config()
     if gradients is None:
         window = core_window.counters_added(config, window, None, weight,
-                                            loss, samples, KERAS_OPS)
+                                            loss, samples, KERAS_OPS, counts)
     else:
         window = core_window.micro_batch_added(
-            config, window, gradients, weight, loss, samples, KERAS_OPS)
+            config, window, gradients, weight, loss, samples, KERAS_OPS,
+            counts)
     if moments is not None:
         window = window._replace(
             statistics_sums=accumulation.statistics.micro_batch_added(
                 window.statistics_sums, moments, non_trainable))
-    ends = accumulation._settled(core_window.ends(window))
+    ends = (accumulation._settled(core_window.ends(window)) if may_end
+            else False)
     # Read only where the window ends (known here where the step runs
     # eagerly).
     window_loss = (None if ends is False

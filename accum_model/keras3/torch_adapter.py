@@ -50,9 +50,32 @@ from accum_model.keras3.stateless_adapter import StatelessAdapter
 from accum_model.keras3.torch_window import TorchAccumulation
 
 
-def train_step(model, data):
+def micro_batches_step(model, data):
+    """One step on PyTorch whose batch is split into micro-batches of at
+    most `micro_batch_size` samples (`core.micro_step`), run one after
+    another; returns the last one's logs."""
+    accumulation = model._accumulation
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+    bounds = micro_step.micro_batch_bounds(
+        int(divisor.batch_size(x, KERAS_SHAPES)),
+        accumulation.settings.micro_batch_size)
+    accumulation.micro_batches_in_step = len(bounds)
+    try:
+        for index, (start, stop) in enumerate(bounds):
+            logs = train_step(
+                model, keras.tree.map_structure(
+                    lambda value: value if ops.ndim(value) == 0
+                    else value[start:stop], data),
+                counts=index == 0, may_end=index == len(bounds) - 1)
+    finally:
+        accumulation.micro_batches_in_step = 1
+    return logs
+
+
+def train_step(model, data, counts=True, may_end=True):
     """One micro step on PyTorch (eager): Keras's forward and backward
-    pass, then the window instead of the optimizer."""
+    pass, then the window instead of the optimizer. (`counts` and
+    `may_end`: see `stateless_window.add_micro_batch`.)"""
     accumulation = model._accumulation
     window = accumulation.window
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -95,7 +118,7 @@ def train_step(model, data):
     samples = ops.cast(divisor.batch_size(x, KERAS_SHAPES), "float32")
     ends, window_loss, window_samples = accumulation.add_micro_batch(
         model, gradients, weight, ops.stop_gradient(loss), samples,
-        moments if statistics.layers else None)
+        moments if statistics.layers else None, counts, may_end)
     accumulation._traced_window = None
     # The loss in the logs is each window's, logged when it ends, weighted
     # by its samples as Keras weighs a batch's.
@@ -133,6 +156,8 @@ class TorchAdapter(StatelessAdapter):
 
     @staticmethod
     def accumulating_train_step(model, data):
+        if model._accumulation.settings.micro_batch_size is not None:
+            return micro_batches_step(model, data)
         return train_step(model, data)
 
     @staticmethod

@@ -180,10 +180,11 @@ class TorchAccumulation(stateless_window.StatelessAccumulation):
         return self.tracks_loss
 
     def add_micro_batch(self, model, gradients, weight, loss, samples,
-                        moments=None):
+                        moments=None, counts=True, may_end=True):
         """Adds a micro-batch's unscaled gradients to the window and applies
         it when due, writing the new values into the variables; returns
-        whether the window ended, its loss and its samples."""
+        whether the window ended, its loss and its samples (`counts` and
+        `may_end`: see `stateless_window.add_micro_batch`)."""
         window = self.window
         variables = window.trainable_variables
         if gradients is not None:
@@ -199,7 +200,7 @@ class TorchAccumulation(stateless_window.StatelessAccumulation):
                     self, [v.value for v in variables],
                     [v.value for v in optimizer_variables], window.state,
                     gradients, weight, loss, samples, non_trainable,
-                    moments))
+                    moments, counts, may_end))
             if ends:
                 # Only a window's end changes these.
                 stateless_window.assign_values(variables, trainable)

@@ -79,7 +79,7 @@ class TensorFlowAccumulation(WindowLifecycle):
         return arithmetic.micro_batch_share(
             window.length, window.micro_steps, window.steps_left_in_epoch,
             window.strategy.num_replicas_in_sync, TF_OPS,
-            window.divide_by_weight)
+            window.divide_by_weight, self.micro_batches_in_step)
 
     def opens_window(self):
         """Bool scalar: whether the micro step being run is its window's
@@ -203,7 +203,8 @@ class TensorFlowAccumulation(WindowLifecycle):
             window.set_length(self.window_length())
 
     def add_micro_batch(self, gradients, weight, batch_size,
-                        divide_by_weight=True, loss=None, statistics=()):
+                        divide_by_weight=True, loss=None, statistics=(),
+                        counts=None, may_end=True):
         """Adds one micro-batch's gradients; ends the window when due.
 
         Replica context, inside the training step, after `ensure_state`.
@@ -219,6 +220,16 @@ class TensorFlowAccumulation(WindowLifecycle):
                 is logged when the window ends; None to log nothing.
             statistics: List of `RecordedStatistics` of the forward pass,
                 one per call given to `ensure_state`.
+            counts: Whether the micro-batch counts as a micro step; None
+                where it does if some replica has data (a batch's later
+                micro-batches under `micro_batch_size` do not).
+            may_end: Bool. Whether the window may end with this micro-batch
+                (False before a batch's last micro-batch; the step then
+                calls `end_window_if_due`).
+
+        Returns:
+            Bool scalar: whether some replica has data (`counts` where
+            given).
         """
         window = self.window
         if len(gradients) != len(window.trainable_variables):
@@ -229,14 +240,26 @@ class TensorFlowAccumulation(WindowLifecycle):
             )
         window.divide_by_weight = divide_by_weight
         samples = tf.cast(batch_size, tf.float32)
-        has_data = replicas.has_data_on_some_replica(
-            samples, window.strategy,
-            exact=not self.settings.flush_each_epoch,
-        )
+        has_data = counts
+        if counts is None:
+            has_data = replicas.has_data_on_some_replica(
+                samples, window.strategy,
+                exact=not self.settings.flush_each_epoch,
+            )
         added = window.add_micro_batch(gradients, weight, samples, has_data,
                                        loss, statistics)
+        if may_end:
+            self.end_window_if_due(has_data, added)
+        return has_data
+
+    def end_window_if_due(self, has_data, state=None):
+        """Replica context: ends the window where some replica had data
+        and it is due (`core.window.ends` of `state`, the window's scalars
+        as written, or as read now)."""
+        if state is None:
+            state = self.window.state(gradient_sums=[])
         self.window_end.end_if(tf.logical_and(has_data,
-                                              core_window.ends(added)))
+                                              core_window.ends(state)))
 
     def apply_open_window(self):
         """Applies the gradients of the window still open, if any."""

@@ -19,15 +19,17 @@ from accum_model.core import divisor
 from accum_model.core import micro_step
 from accum_model.core.adapter import Adapter
 from accum_model.tensorflow import replicas
+from accum_model.tensorflow.ops import TF_OPS
 from accum_model.tensorflow.ops import TF_SHAPES
 
 
 def train_step(model, data, adapter: Adapter):
-    """One micro step of `model` on `data` (replica context).
+    """One step of `model` on `data` (replica context): one micro step, or
+    one per micro-batch of at most `micro_batch_size` samples.
 
     Args:
         model: The accumulating model.
-        data: The micro-batch, as Keras hands it to `train_step`.
+        data: The batch, as Keras hands it to `train_step`.
         adapter: The Keras adapter (see the module's docstring).
 
     Returns:
@@ -35,6 +37,77 @@ def train_step(model, data, adapter: Adapter):
     """
     accumulation = model._accumulation
     data = _owned_by_the_step(data, model.distribute_strategy)
+    micro_batch_size = accumulation.settings.micro_batch_size
+    if micro_batch_size is None:
+        x, y, y_pred, sample_weight, _ = _micro_step(model, data, adapter)
+        logs = model.compute_metrics(x, y, y_pred,
+                                     sample_weight=sample_weight)
+    else:
+        logs = _micro_batches_step(model, data, adapter, micro_batch_size)
+    window = accumulation.window
+    logs = micro_step.logged(
+        logs, window.skipped_windows.value, accumulation.loss_scaling.active,
+        accumulation.settings)
+    return adapter.logs_for_reduction(logs, model.distribute_strategy)
+
+
+def _micro_batches_step(model, data, adapter, micro_batch_size):
+    """The batch `data` split into micro-batches of at most
+    `micro_batch_size` samples (`core.micro_step`), each a micro step of
+    the window, which may end after the last. The first runs outside the
+    loop: the step's first trace creates the window's variables there."""
+    accumulation = model._accumulation
+    x, _, _ = adapter.unpack_x_y_sample_weight(data)
+    count = micro_step.micro_batch_count(
+        divisor.batch_size(x, TF_SHAPES), micro_batch_size, TF_OPS)
+    accumulation.micro_batches_in_step = count
+
+    def micro_batch(start):
+        return tf.nest.map_structure(
+            lambda value: _rows(value, start, micro_batch_size), data)
+
+    def metrics_updated(x, y, y_pred, sample_weight, _):
+        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    x, y, y_pred, sample_weight, has_data = _micro_step(
+        model, micro_batch(0), adapter, may_end=False)
+    metrics_updated(x, y, y_pred, sample_weight, has_data)
+
+    def next_micro_batch(index):
+        metrics_updated(*_micro_step(
+            model, micro_batch(index * micro_batch_size), adapter,
+            counts=False, may_end=False))
+        return (index + 1,)
+
+    if not (isinstance(count, int) and count == 1):
+        tf.while_loop(lambda index: index < count, next_micro_batch,
+                      (tf.constant(1, count.dtype if hasattr(count, "dtype")
+                                   else tf.int32),))
+    accumulation.end_window_if_due(has_data)
+    accumulation.micro_batches_in_step = 1
+    return model.get_metrics_result()
+
+
+def _rows(value, start, size):
+    """Rows `start` to `start + size` of a batch's tensor."""
+    if isinstance(value, tf.SparseTensor):
+        raise ValueError(
+            "`micro_batch_size` splits a batch's dense and ragged tensors; "
+            "a `tf.SparseTensor` input cannot be split. Pass it dense, or "
+            "set micro_batch_size=None and batches of the micro-batch's "
+            "size with n_gradients instead. Received: a SparseTensor of "
+            f"shape {value.shape}")
+    if not isinstance(value, (tf.Tensor, tf.RaggedTensor)) or (
+            value.shape.rank == 0):
+        return value
+    return value[start:start + size]
+
+
+def _micro_step(model, data, adapter, counts=None, may_end=True):
+    """One micro-batch into the window (see `add_micro_batch`'s `counts`
+    and `may_end`); returns its x, y, predictions, sample weights and
+    whether some replica had data."""
+    accumulation = model._accumulation
     x, y, sample_weight = adapter.unpack_x_y_sample_weight(data)
     with tf.GradientTape() as tape:
         # BatchNormalization's moving statistics move once per window,
@@ -73,14 +146,10 @@ def train_step(model, data, adapter: Adapter):
         model.micro_batch_weight(x, y, y_pred, sample_weight), tf.float32
     )
     # The loss in logs is the window's, logged once when it ends.
-    accumulation.add_micro_batch(gradients, weight, batch_size,
-                                 divide_by_weight=divide_by_weight, loss=loss,
-                                 statistics=statistics)
-    logs = micro_step.logged(
-        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight),
-        window.skipped_windows.value, accumulation.loss_scaling.active,
-        accumulation.settings)
-    return adapter.logs_for_reduction(logs, model.distribute_strategy)
+    has_data = accumulation.add_micro_batch(
+        gradients, weight, batch_size, divide_by_weight=divide_by_weight,
+        loss=loss, statistics=statistics, counts=counts, may_end=may_end)
+    return x, y, y_pred, sample_weight, has_data
 
 
 def _owned_by_the_step(data, strategy):
