@@ -216,6 +216,24 @@ def _attribute_values(layer, depth=3):
     return found
 
 
+def check_micro_batch_size_reaches_the_step(model):
+    """Refuses `micro_batch_size` where a `train_step` of the user's own
+    hands gradients to the window: that step receives whole batches, which
+    only AccumulatingModel's own step splits."""
+    micro_batch_size = model._accumulation.settings.micro_batch_size
+    if micro_batch_size is None or not class_tree.own_step_feeds_window(
+            type(model)):
+        return
+    raise ValueError(
+        f"{type(model).__name__}.train_step hands its gradients to the "
+        "window itself, and receives whole batches: `micro_batch_size` "
+        "splits batches only in AccumulatingModel's own `train_step`. Split "
+        "the batch in your step and call `accumulate_gradients` once per "
+        "micro-batch, or set micro_batch_size=None and pass batches of the "
+        "micro-batch's size with `n_gradients`. Received: "
+        f"micro_batch_size={micro_batch_size}")
+
+
 def warn_if_train_step_bypasses_window(model_class):
     """Warns when an overridden `train_step` never reaches the window.
 
@@ -715,6 +733,7 @@ def check_ready_to_accumulate(model, requested_class):
     check_no_foreign_layers(model)
     check_float8_on_one_replica(model)
     check_steps_per_execution(model)
+    check_micro_batch_size_reaches_the_step(model)
     warn = model._accumulation.warn_once
     if optimizer_stray:
         warn(optimizer_stray)

@@ -67,7 +67,13 @@ def _micro_batches_step(model, data, adapter, micro_batch_size):
             lambda value: _rows(value, start, micro_batch_size), data)
 
     def metrics_updated(x, y, y_pred, sample_weight, _):
-        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        # Read once, after the window's end: Keras 2 reads a metric under
+        # replicas with a `merge_call`, which no loop may hold.
+        model.get_metrics_result = dict
+        try:
+            model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        finally:
+            del model.get_metrics_result
 
     x, y, y_pred, sample_weight, has_data = _micro_step(
         model, micro_batch(0), adapter, may_end=False)

@@ -1,0 +1,330 @@
+"""`micro_batch_size`: the batch of `fit()` split inside the step is the
+large batch.
+
+Plain Keras trains on batches of B; the accumulating model gets the same
+batches of B and splits each into micro-batches of at most b inside its
+step. Weights, logged losses and update counts must match, with every count
+in the batches of `fit()`.
+"""
+
+import contextlib
+
+import numpy as np
+import pytest
+
+from accum_model import AccumulatingModel
+from accum_model import accumulating
+from backends import ON_JAX
+from backends import ON_KERAS_2
+from backends import jax_only
+from backends import keras_2_too
+from helpers import compiled_jax_step
+from helpers import counted_steps
+from helpers import iterations
+from helpers import keras
+from helpers import loss_scale
+from helpers import max_weight_difference
+from helpers import mlp
+from helpers import regression_data
+from helpers import skip_unless_executions_stop_cleanly
+
+pytestmark = keras_2_too
+
+TOLERANCE = 1e-5
+
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.1),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "rmsprop_clipnorm": lambda: keras.optimizers.RMSprop(0.01, clipnorm=0.05),
+    "adam_global_clipnorm": lambda: keras.optimizers.Adam(
+        0.01, global_clipnorm=0.05),
+    "adam_schedule_every_step": lambda: keras.optimizers.Adam(
+        keras.optimizers.schedules.ExponentialDecay(
+            0.02, decay_steps=1, decay_rate=0.7)),
+}
+
+
+def fit_split(build, make_optimizer, x, y, batch_size, micro_batch_size,
+              n_gradients=1, epochs=2, strategy=None, fit_kwargs=None,
+              loss="mse", compile_kwargs=None):
+    """Plain Keras on batches of `batch_size * n_gradients`; the
+    accumulating model on batches of `batch_size` split into micro-batches
+    of `micro_batch_size`. Returns (plain, model, plain's history, the
+    model's history)."""
+    fit_kwargs = fit_kwargs or {}
+    compile_kwargs = compile_kwargs or {}
+    plain = build(keras.Model)
+    plain.compile(optimizer=make_optimizer(), loss=loss,
+                  **{**compile_kwargs, "run_eagerly": False,
+                     "steps_per_execution": 1})
+    plain_history = plain.fit(x, y, batch_size=batch_size * n_gradients,
+                              epochs=epochs, shuffle=False, verbose=0,
+                              **fit_kwargs)
+    with (strategy.scope() if strategy is not None
+          else contextlib.nullcontext()):
+        model = build(AccumulatingModel, n_gradients=n_gradients,
+                      micro_batch_size=micro_batch_size)
+        model.compile(optimizer=make_optimizer(), loss=loss,
+                      **compile_kwargs)
+        model.set_weights(build(keras.Model).get_weights())
+        history = model.fit(x, y, batch_size=batch_size, epochs=epochs,
+                            shuffle=False, verbose=0, **fit_kwargs)
+    return plain, model, plain_history, history
+
+
+def _assert_same_losses(plain_history, history):
+    np.testing.assert_allclose(history.history["loss"],
+                               plain_history.history["loss"], rtol=1e-5,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_split_batches_match_the_large_batch(name):
+    # 100 samples in batches of 32: the last batch holds 4, one short
+    # micro-batch.
+    x, y = regression_data(samples=100)
+    plain, model, plain_history, history = fit_split(
+        mlp, OPTIMIZERS[name], x, y, batch_size=32, micro_batch_size=8)
+    assert iterations(model) == iterations(plain) == 8
+    assert max_weight_difference(plain, model) <= TOLERANCE
+    _assert_same_losses(plain_history, history)
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 5, 32, 64])
+def test_any_micro_batch_size_with_sample_weights(micro_batch_size):
+    # 5 leaves a short last micro-batch in every batch (32 = 6 * 5 + 2);
+    # 32 and 64 keep each batch whole.
+    x, y = regression_data(samples=90)
+    weights = np.random.default_rng(3).uniform(size=(90,)).astype("float32")
+    plain, model, plain_history, history = fit_split(
+        mlp, OPTIMIZERS["adam"], x, y, batch_size=32,
+        micro_batch_size=micro_batch_size,
+        fit_kwargs={"sample_weight": weights})
+    assert iterations(model) == iterations(plain) == 6
+    assert max_weight_difference(plain, model) <= TOLERANCE
+    _assert_same_losses(plain_history, history)
+
+
+@pytest.mark.parametrize("run", ["run_eagerly", "steps_per_execution"])
+def test_split_batches_run_eagerly_or_several_per_execution(run):
+    if run == "steps_per_execution":
+        skip_unless_executions_stop_cleanly()
+    compile_kwargs = ({"run_eagerly": True} if run == "run_eagerly"
+                      else {"steps_per_execution": 2})
+    x, y = regression_data(samples=100)
+    plain, model, plain_history, history = fit_split(
+        mlp, OPTIMIZERS["adam"], x, y, batch_size=32, micro_batch_size=6,
+        compile_kwargs={**compile_kwargs, "metrics": ["mae"]})
+    assert iterations(model) == iterations(plain) == 8
+    assert max_weight_difference(plain, model) <= TOLERANCE
+    _assert_same_losses(plain_history, history)
+    np.testing.assert_allclose(history.history["mae"],
+                               plain_history.history["mae"], rtol=1e-5)
+
+
+def test_split_batches_compose_with_n_gradients():
+    # Windows of 2 batches of 16, each split into 6 + 6 + 4: the large
+    # batch of 32.
+    x, y = regression_data(samples=96)
+    plain, model, plain_history, history = fit_split(
+        mlp, OPTIMIZERS["adam"], x, y, batch_size=16, micro_batch_size=6,
+        n_gradients=2)
+    assert iterations(model) == iterations(plain) == 6
+    assert max_weight_difference(plain, model) <= TOLERANCE
+    _assert_same_losses(plain_history, history)
+
+
+def test_callbacks_count_the_batches_of_fit():
+    counted = []
+    x, y = regression_data(samples=64)
+    model = mlp(AccumulatingModel, micro_batch_size=4)
+    model.compile(optimizer=OPTIMIZERS["sgd"](), loss="mse")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[
+        keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda batch, logs: counted.append(
+                (batch, model.update_applied)))])
+    assert counted == [(0, True), (1, True), (2, True), (3, True)]
+    assert iterations(model) == 4
+
+
+def _padded_sequences(samples=64, max_length=10, vocabulary=12, seed=4):
+    from test_exactness import _padded_sequences as sequences
+
+    return sequences(samples, max_length, vocabulary, seed)
+
+
+def test_masked_sequences_with_uneven_valid_counts():
+    from test_exactness import _masked_lstm
+
+    def masked_lstm(model_class, **settings):
+        if model_class is keras.Model:
+            return _masked_lstm(keras.Model)
+        return accumulating(_masked_lstm(keras.Model), **settings)
+
+    x, y = _padded_sequences(samples=72)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    plain, model, plain_history, history = fit_split(
+        masked_lstm, OPTIMIZERS["sgd"], x, y, batch_size=32,
+        micro_batch_size=6, loss=loss)
+    assert iterations(model) == iterations(plain) == 6
+    assert max_weight_difference(plain, model) <= TOLERANCE
+    _assert_same_losses(plain_history, history)
+
+
+def _data_with_overflow_in_second_batch():
+    x, y = regression_data(samples=64)
+    y = y.copy()
+    # Sample 41 is in the second batch of 32. Its error, times the loss
+    # scale, overflows float16 in the backward pass.
+    y[41] = 1e4
+    return x, y
+
+
+def test_mixed_float16_skips_the_batch_the_large_batch_skips():
+    x, y = _data_with_overflow_in_second_batch()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        plain, model, _, history = fit_split(
+            mlp, OPTIMIZERS["adam"], x, y, batch_size=32,
+            micro_batch_size=8, epochs=1)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    # The large batch in float32, to size float16's rounding.
+    float32_first_batch = mlp(keras.Model)
+    float32_first_batch.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    float32_first_batch.fit(x[:32], y[:32], batch_size=32, epochs=1,
+                            shuffle=False, verbose=0)
+    assert model.skipped_windows == 1
+    assert history.history["skipped_windows"] == [1]
+    assert iterations(model) == iterations(plain) == counted_steps(2, 1)
+    assert loss_scale(model.optimizer) == loss_scale(plain.optimizer)
+    rounding = max_weight_difference(plain, float32_first_batch)
+    assert max_weight_difference(model, plain) <= 2 * rounding + 1e-6
+
+
+def test_split_batches_under_two_replicas_are_one_devices(two_replicas):
+    # Each replica splits its 16 rows into 5 + 5 + 5 + 1.
+    x, y = regression_data(samples=96)
+    plain, model, plain_history, history = fit_split(
+        mlp, OPTIMIZERS["adam_global_clipnorm"], x, y, batch_size=32,
+        micro_batch_size=5, strategy=two_replicas)
+    assert iterations(model) == iterations(plain) == 6
+    assert max_weight_difference(plain, model) <= TOLERANCE
+    _assert_same_losses(plain_history, history)
+
+
+@pytest.mark.skipif(ON_KERAS_2, reason="Keras 2's BatchNormalization "
+                    "moves its own statistics")
+@pytest.mark.filterwarnings("ignore:BatchNormalization layers")
+def test_batch_normalization_moves_by_the_large_batchs_moments():
+    # At learning rate 0 every micro-batch sees the large batch's weights:
+    # the moving statistics must be the large batch's.
+    from test_batch_normalization import conv_bn
+    from test_batch_normalization import image_data
+    from test_batch_normalization import statistics
+
+    x, y = image_data(100)
+    plain, model, _, _ = fit_split(
+        conv_bn, lambda: keras.optimizers.SGD(0.0), x, y, batch_size=32,
+        micro_batch_size=6)
+    assert iterations(model) == iterations(plain) == 8
+    for large, split in zip(statistics(plain), statistics(model)):
+        np.testing.assert_allclose(split, large, atol=TOLERANCE)
+
+
+@jax_only("keras.distribution.DataParallel")
+def test_data_parallel_reduces_the_gradient_once_per_step(two_replicas):
+    import re
+
+    x, y = regression_data(samples=64)
+    with two_replicas.scope():
+        model = mlp(AccumulatingModel, micro_batch_size=2)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    text = compiled_jax_step(model, two_replicas, x, y, batch_size=16)
+    weights = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    # Each all-reduce's elements: the gradient's must be reduced once, by
+    # the window end, outside the loop over the micro-batches.
+    reduced = [
+        sum(int(np.prod([int(d) for d in dims.split(",") if d]))
+            for dims in re.findall(r"\w+\[([\d,]*)\]", found.group(1)))
+        for found in re.finditer(r"=\s*(.*?)\sall-reduce(?:-start)?\(",
+                                 text)]
+    assert sum(size for size in reduced if size >= weights // 2) == weights
+
+
+def test_settings_round_trip_and_refuse_bad_values():
+    model = mlp(AccumulatingModel, micro_batch_size=4)
+    assert model.micro_batch_size == 4
+    assert model.get_config()["micro_batch_size"] == 4
+    for bad in (0, -2, 2.5, "8", True):
+        with pytest.raises(ValueError, match="micro_batch_size"):
+            mlp(AccumulatingModel, micro_batch_size=bad)
+    model.micro_batch_size = None
+    assert model.micro_batch_size is None
+
+
+@pytest.mark.skipif(ON_KERAS_2, reason="the .keras format is Keras 3's")
+def test_a_functional_model_reloads_with_its_micro_batch_size(tmp_path):
+    model = mlp(AccumulatingModel, micro_batch_size=4)
+    model.compile(optimizer="sgd", loss="mse")
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    assert keras.models.load_model(path).micro_batch_size == 4
+
+
+def test_accumulating_takes_micro_batch_size_alone():
+    x, y = regression_data(samples=64)
+    plain = mlp(keras.Model)
+    plain.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    model = accumulating(mlp(keras.Model), micro_batch_size=8)
+    model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    assert model.n_gradients == 1
+    for each in (plain, model):
+        each.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert iterations(model) == iterations(plain) == 2
+    assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+def test_a_step_of_ones_own_that_feeds_the_window_is_refused():
+    class OwnStep(AccumulatingModel):
+        def train_step(self, data):
+            x, y = data
+            self.accumulate_gradients([], 1.0)
+            return {}
+
+    inputs = keras.Input((6,))
+    model = OwnStep(inputs, keras.layers.Dense(3)(inputs),
+                    micro_batch_size=4)
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = regression_data(samples=16)
+    with pytest.raises(ValueError, match="micro_batch_size=4"):
+        model.fit(x, y, batch_size=8, verbose=0)
+    assert iterations(model) == 0
+
+
+@pytest.mark.skipif(not ON_JAX, reason="the compiled step's memory is "
+                    "JAX's account")
+def test_the_compiled_step_holds_one_micro_batchs_activations():
+    from helpers import harness
+
+    x, y = regression_data(samples=512, features=6)
+
+    def wide(model_class, **kwargs):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,))
+        hidden = inputs
+        for _ in range(3):
+            hidden = keras.layers.Dense(256, activation="relu")(hidden)
+        return model_class(inputs, keras.layers.Dense(3)(hidden), **kwargs)
+
+    temporaries = {}
+    for label, model, batch in (
+            ("large", wide(keras.Model), 512),
+            ("split", wide(AccumulatingModel, micro_batch_size=32), 512),
+            ("micro", wide(keras.Model), 32)):
+        model.compile(optimizer="sgd", loss="mse")
+        temporaries[label] = harness.jax_step_memory(
+            model, x[:batch], y[:batch]).temp_size_in_bytes
+    # One micro-batch's activations at a time, not the batch's.
+    assert temporaries["split"] < 2 * temporaries["micro"] + 2**20
+    assert temporaries["split"] < temporaries["large"] / 4
