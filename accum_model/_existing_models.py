@@ -40,7 +40,7 @@ def check_is_keras_model(model, taker):
 
 def accumulating(model, n_gradients=None, flush_each_epoch=True,
                  accumulator_dtype="float32", measure_noise_scale=False,
-                 micro_batch_size=None, **unknown):
+                 micro_batch_size=None, memory_limit=None, **unknown):
     """Makes an existing Keras model accumulate gradients.
 
     The model itself is changed and returned: its class becomes a subclass
@@ -65,9 +65,10 @@ def accumulating(model, n_gradients=None, flush_each_epoch=True,
         flush_each_epoch: Bool. See `AccumulatingModel`.
         accumulator_dtype: See `AccumulatingModel`.
         measure_noise_scale: Bool. See `AccumulatingModel`.
-        micro_batch_size: None, or an int >= 1. See `AccumulatingModel`.
-            Given alone, `n_gradients` is 1: one update per batch of
-            `fit()`, split into micro-batches of this size.
+        micro_batch_size: None, an int >= 1 or "auto". See
+            `AccumulatingModel`. Given alone, `n_gradients` is 1: one
+            update per batch of `fit()`, split into micro-batches.
+        memory_limit: None, or an int. See `AccumulatingModel`.
 
     Returns:
         `model`, now an instance of `AccumulatingModel` as well.
@@ -81,7 +82,7 @@ def accumulating(model, n_gradients=None, flush_each_epoch=True,
     if unknown or n_gradients is None:
         _refuse_arguments(unknown)
     settings = Settings(n_gradients, flush_each_epoch, accumulator_dtype,
-                        measure_noise_scale, micro_batch_size)
+                        measure_noise_scale, micro_batch_size, memory_limit)
     check_is_keras_model(model, "accumulating")
     if not isinstance(model, AccumulatingModel):
         model.__class__ = accumulating_class(type(model))

@@ -137,7 +137,14 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
             applies one update per batch of 256 while holding the
             activations of 32: steps, callbacks, schedules and progress
             bars count the batches of `fit()`. With `n_gradients=n` too, a
-            window is n such batches.
+            window is n such batches. Or "auto": the largest micro-batch
+            that fits, chosen before the first update and said in one
+            line (on JAX from the compiled step's memory, per batch shape;
+            on PyTorch and TensorFlow by trying micro-batches and backing
+            off on the device's out-of-memory error).
+        memory_limit: None (default), or the bytes a training step may hold
+            on one device, read by `micro_batch_size="auto"` on JAX in
+            place of the device's memory (which a CPU does not report).
         **kwargs: Passed to `keras.Model`.
     """
 
@@ -158,9 +165,10 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
 
     def __init__(self, *args, n_gradients=1, flush_each_epoch=True,
                  accumulator_dtype="float32", measure_noise_scale=False,
-                 micro_batch_size=None, **kwargs):
+                 micro_batch_size=None, memory_limit=None, **kwargs):
         settings = Settings(n_gradients, flush_each_epoch, accumulator_dtype,
-                            measure_noise_scale, micro_batch_size)
+                            measure_noise_scale, micro_batch_size,
+                            memory_limit)
         _checks.check_keyword_arguments(
             type(self), kwargs,
             _model_classes.is_functional_call(args, kwargs),
@@ -257,8 +265,13 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
     )
     micro_batch_size = _setting(
         "micro_batch_size",
-        "None, or int: the most samples of a micro-batch that each step "
-        "splits its batch into.",
+        "None, int or \"auto\": the most samples of a micro-batch that "
+        "each step splits its batch into.",
+    )
+    memory_limit = _setting(
+        "memory_limit",
+        "None, or int: the bytes `micro_batch_size=\"auto\"` fits a step "
+        "to.",
     )
 
     # Public state ----------------------------------------------------------
@@ -388,6 +401,8 @@ class AccumulatingModel(adapter.ModelDifferences, keras.Model):
         _checks.warn_if_backups_fall_inside_windows(
             self, kwargs.get("callbacks"), self._accumulation.warn_once)
         _checks.check_micro_batches_split_evenly(kwargs)
+        if self._accumulation.settings.micro_batch_size == "auto":
+            adapter.choose_micro_batch_size(self, kwargs)
         return super().fit(*args, **kwargs)
 
     def _check_ready_to_accumulate(self):

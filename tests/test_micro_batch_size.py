@@ -15,6 +15,8 @@ import pytest
 from accum_model import AccumulatingModel
 from accum_model import accumulating
 from backends import ON_JAX
+from backends import ON_TENSORFLOW
+from backends import ON_TORCH
 from backends import ON_KERAS_2
 from backends import jax_only
 from backends import keras_2_too
@@ -328,3 +330,140 @@ def test_the_compiled_step_holds_one_micro_batchs_activations():
     # One micro-batch's activations at a time, not the batch's.
     assert temporaries["split"] < 2 * temporaries["micro"] + 2**20
     assert temporaries["split"] < temporaries["large"] / 4
+
+
+# micro_batch_size="auto" --------------------------------------------------
+
+
+class _OutOfMemoryAbove(keras.layers.Layer):
+    """Raises the backend's out-of-memory error on a batch of more than
+    `rows` samples, where a trial runs (eagerly, on real arrays)."""
+
+    def __init__(self, rows, **kwargs):
+        super().__init__(**kwargs)
+        self.rows = rows
+
+    def call(self, inputs):
+        if ON_TORCH:
+            import torch
+
+            if inputs.device.type != "meta" and inputs.shape[0] > self.rows:
+                raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+        else:
+            import tensorflow as tf
+
+            if (tf.executing_eagerly() and inputs.shape[0] is not None
+                    and inputs.shape[0] > self.rows):
+                raise tf.errors.ResourceExhaustedError(
+                    None, None, "OOM when allocating tensor (a test's)")
+        return inputs
+
+
+def _normalized_mlp(model_class, out_of_memory_above=None, **kwargs):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    if out_of_memory_above is not None:
+        hidden = _OutOfMemoryAbove(out_of_memory_above)(hidden)
+    if not ON_KERAS_2:
+        hidden = keras.layers.BatchNormalization(name="norm")(hidden)
+    return model_class(inputs, keras.layers.Dense(3)(hidden), **kwargs)
+
+
+@pytest.mark.skipif(ON_JAX, reason="JAX sizes from the compiled step's "
+                    "memory (tested below)")
+@pytest.mark.parametrize("data", ["arrays", "dataset"])
+@pytest.mark.filterwarnings("ignore:BatchNormalization layers")
+def test_auto_backs_off_on_out_of_memory_before_any_update(data, capsys):
+    # A pass on more than 24 samples runs out of memory: of the candidates
+    # for batches of 64 (1, 2, 4, ..., 64), 16 is the largest that fits.
+    # At learning rate 0 the moving statistics must be the large batch's:
+    # the trials leave none of their own behind.
+    x, y = regression_data(samples=160)
+    plain = _normalized_mlp(keras.Model)
+    plain.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    plain.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    model = _normalized_mlp(AccumulatingModel, out_of_memory_above=24,
+                            micro_batch_size="auto")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    if data == "dataset":
+        if not ON_TENSORFLOW:
+            pytest.skip("tf.data is TensorFlow's")
+        import tensorflow as tf
+
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(64),
+                  epochs=2, shuffle=False, verbose=0)
+    else:
+        model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    assert "micro-batches of 16" in capsys.readouterr().out
+    assert list(model._accumulation.chosen_micro_batch_sizes.values())[0] == 16
+    assert iterations(model) == iterations(plain) == 6
+    assert max_weight_difference(plain, model) <= TOLERANCE
+    if not ON_KERAS_2:
+        from test_batch_normalization import statistics
+
+        for large, split in zip(statistics(plain), statistics(model)):
+            np.testing.assert_allclose(split, large, atol=TOLERANCE)
+
+
+@jax_only("the compiled step's memory")
+def test_auto_takes_the_largest_micro_batch_whose_step_fits_the_limit(
+        capsys):
+    from accum_model.keras3.jax_adapter import step_bytes
+
+    x, y = regression_data(samples=128)
+    plain = mlp(keras.Model)
+    plain.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    plain.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    probe = mlp(AccumulatingModel, micro_batch_size=64)
+    probe.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    probe.fit(x[:64], y[:64], batch_size=64, epochs=1, verbose=0)
+    state = probe._get_jax_state(
+        trainable_variables=True, non_trainable_variables=True,
+        optimizer_variables=True, metrics_variables=True)
+    held = {size: step_bytes(probe, state, (x[:64], y[:64]), size)
+            for size in (8, 16)}
+    assert held[8] < held[16]
+    model = mlp(AccumulatingModel, micro_batch_size="auto",
+                memory_limit=(held[8] + held[16]) // 2)
+    model.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
+    model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    assert "micro-batches of 8" in capsys.readouterr().out
+    assert list(model._accumulation.chosen_micro_batch_sizes.values()) == [8]
+    assert iterations(model) == iterations(plain) == 2
+    assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+@jax_only("the compiled step's memory")
+def test_auto_on_a_device_of_unknown_memory_names_memory_limit():
+    x, y = regression_data(samples=32)
+    model = mlp(AccumulatingModel, micro_batch_size="auto")
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="memory_limit=<bytes>"):
+        model.fit(x, y, batch_size=16, verbose=0)
+    assert iterations(model) == 0
+
+
+def test_memory_limit_is_refused_without_auto():
+    with pytest.raises(ValueError, match="memory_limit"):
+        mlp(AccumulatingModel, micro_batch_size=8, memory_limit=2**20)
+    with pytest.raises(ValueError, match="memory_limit"):
+        mlp(AccumulatingModel, micro_batch_size="auto", memory_limit=-1)
+
+
+@pytest.mark.skipif(not ON_TENSORFLOW, reason="TensorFlow chooses as fit() "
+                    "starts")
+def test_auto_on_tensorflow_refuses_what_it_cannot_size():
+    x, y = regression_data(samples=32)
+    model = mlp(AccumulatingModel, micro_batch_size="auto")
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="call fit()"):
+        model.train_on_batch(x[:16], y[:16])
+
+    def batches():
+        while True:
+            yield x[:16], y[:16]
+
+    with pytest.raises(ValueError, match="generator"):
+        model.fit(batches(), steps_per_epoch=2, verbose=0)
+    assert iterations(model) == 0

@@ -88,6 +88,14 @@ class Adapter:
         return 1
 
     @staticmethod
+    def choose_micro_batch_size(model, fit_arguments):
+        """Before `fit()` trains (`fit_arguments`: its arguments by name),
+        under `micro_batch_size="auto"`: chooses the size where the step
+        cannot (TensorFlow's traced step), or refuses what cannot choose
+        one. By default the step chooses it for each shape of batch."""
+        del model, fit_arguments
+
+    @staticmethod
     def evaluating_like_one_device(model, test_function):
         """`model`'s `test_function`, with its losses reduced as one device
         reduces the whole batch."""

@@ -12,6 +12,7 @@ its window takes a new length.
 import warnings
 
 from accum_model.core import arithmetic
+from accum_model.core import micro_step
 from accum_model.core.messages import user_stacklevel
 from accum_model.core.messages import window_is_open
 
@@ -57,6 +58,8 @@ class WindowLifecycle:
         self.own_step_feeds_window = False
         self.several_replicas = False
         self.micro_batches_in_step = 1
+        # `micro_batch_size="auto"`'s choices, by the batch's shapes.
+        self.chosen_micro_batch_sizes = {}
         # The loss elements per sample each loss term met in the micro
         # steps (see `divisor.warn_if_padded_length_varies`).
         self.elements_per_sample_seen = {}
@@ -124,6 +127,7 @@ class WindowLifecycle:
                    or _without_length(settings)
                    != _without_length(self.settings))
         self.settings = settings
+        self.chosen_micro_batch_sizes = {}
         if self.window is not None:
             self._set_window_length(self.window_length())
         return retrace
@@ -150,6 +154,39 @@ class WindowLifecycle:
                 it is float16; or None (none is).
         """
         raise NotImplementedError
+
+    def micro_batch_size_for(self, shapes, batch_size, fits, limit):
+        """Int: the micro-batch size for a batch of `batch_size` samples
+        (per replica) whose arrays have `shapes`: `micro_batch_size`, or
+        under "auto" the largest that `fits`, chosen once per `shapes`
+        and said in one line.
+
+        Args:
+            shapes: Hashable, the batch's shapes.
+            batch_size: Int. The samples a replica's step splits.
+            fits: Callable `(size) -> bool`.
+            limit: Str, what `fits` holds a size to (for the messages).
+
+        Raises:
+            ValueError: Not even a micro-batch of one sample fits.
+        """
+        size = self.settings.micro_batch_size
+        if size != "auto":
+            return size
+        chosen = self.chosen_micro_batch_sizes.get(shapes)
+        if chosen is None:
+            chosen = micro_step.largest_fitting(batch_size, fits)
+            if chosen is None:
+                raise ValueError(
+                    "micro_batch_size=\"auto\" found no micro-batch that "
+                    f"fits {limit}: a training step on one sample does not. "
+                    "Give the step more memory (`memory_limit` on JAX), or a "
+                    "smaller model. Received: micro_batch_size=\"auto\", "
+                    f"memory_limit={self.settings.memory_limit!r}")
+            self.chosen_micro_batch_sizes[shapes] = chosen
+            print(f"micro_batch_size=\"auto\": batches of {batch_size} "
+                  f"samples train in micro-batches of {chosen} ({limit}).")
+        return chosen
 
     # What users read -------------------------------------------------------
 

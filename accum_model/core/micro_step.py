@@ -99,3 +99,32 @@ def micro_batch_bounds(batch_size, micro_batch_size):
     `batch_size` (`micro_batch_count` of them; the last may be short)."""
     return [(start, min(start + micro_batch_size, batch_size))
             for start in range(0, max(batch_size, 1), micro_batch_size)]
+
+
+def micro_batch_candidates(batch_size):
+    """The sizes `micro_batch_size="auto"` tries for a batch of the int
+    `batch_size`, smallest first: the powers of two below it, and itself."""
+    sizes = []
+    size = 1
+    while size < batch_size:
+        sizes.append(size)
+        size *= 2
+    return sizes + [max(batch_size, 1)]
+
+
+def largest_fitting(batch_size, fits):
+    """The largest of `micro_batch_candidates(batch_size)` for which
+    `fits(size)` holds, by bisection (a step that fits holds less than one
+    that does not: more fit where fewer samples are held); None where not
+    even one sample fits."""
+    candidates = micro_batch_candidates(batch_size)
+    low, high = 0, len(candidates) - 1
+    found = None
+    while low <= high:
+        middle = (low + high) // 2
+        if fits(candidates[middle]):
+            found = candidates[middle]
+            low = middle + 1
+        else:
+            high = middle - 1
+    return found

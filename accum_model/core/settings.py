@@ -7,7 +7,7 @@ their (0-based) epoch on, with windows of 1 before the smallest key.
 `measure_noise_scale` says whether windows measure the gradient noise scale.
 `micro_batch_size` splits each batch `fit()` hands the step into micro-batches
 of at most that many samples, all in the window (None: one micro-batch per
-batch).
+batch; "auto": the largest that fits the device, or `memory_limit` bytes).
 """
 
 import numbers
@@ -115,21 +115,48 @@ def check_measure_noise_scale(measure_noise_scale, n_gradients):
 
 
 def check_micro_batch_size(micro_batch_size):
-    """Returns `micro_batch_size` (None or an int >= 1), or raises.
+    """Returns `micro_batch_size` (None, an int >= 1 or "auto"), or raises.
 
     Raises:
-        ValueError: Neither None nor an int >= 1.
+        ValueError: None of these.
     """
-    if micro_batch_size is None:
-        return None
+    if micro_batch_size is None or micro_batch_size == "auto":
+        return micro_batch_size
     if not _is_int(micro_batch_size) or micro_batch_size < 1:
         raise ValueError(
             "`micro_batch_size` must be None (each batch is one "
-            "micro-batch) or an integer >= 1, the most samples of a "
-            "micro-batch that a step splits its batch into (per replica). "
+            "micro-batch), an integer >= 1, the most samples of a "
+            "micro-batch that a step splits its batch into (per replica), "
+            "or \"auto\" (the largest that fits the device). "
             f"Received: micro_batch_size={micro_batch_size!r}"
         )
     return int(micro_batch_size)
+
+
+def check_memory_limit(memory_limit, micro_batch_size):
+    """Returns `memory_limit` (None or an int > 0, bytes), or raises.
+
+    Raises:
+        ValueError: Not None or an int > 0, or given without
+            `micro_batch_size="auto"`, the only setting that reads it.
+    """
+    if memory_limit is None:
+        return None
+    if not _is_int(memory_limit) or memory_limit <= 0:
+        raise ValueError(
+            "`memory_limit` must be None (the device's memory) or the "
+            "bytes a training step may hold on one device, an integer > 0. "
+            f"Received: memory_limit={memory_limit!r}"
+        )
+    if micro_batch_size != "auto":
+        raise ValueError(
+            "`memory_limit` is what micro_batch_size=\"auto\" fits the "
+            "micro-batches to, and nothing else reads it: set "
+            "micro_batch_size=\"auto\", or leave memory_limit=None. "
+            f"Received: memory_limit={memory_limit!r}, "
+            f"micro_batch_size={micro_batch_size!r}"
+        )
+    return int(memory_limit)
 
 
 class Settings:
@@ -140,7 +167,8 @@ class Settings:
         flush_each_epoch: Bool.
         accumulator_dtype: One of `ACCUMULATOR_DTYPES`.
         measure_noise_scale: Bool.
-        micro_batch_size: None, or an int >= 1.
+        micro_batch_size: None, an int >= 1, or "auto".
+        memory_limit: None, or an int > 0 (with `micro_batch_size="auto"`).
 
     Raises:
         ValueError: An argument is not one of its allowed values; the message
@@ -151,11 +179,11 @@ class Settings:
     # The defaults of the model's constructor and of `accumulating()`.
     DEFAULTS = {"n_gradients": 1, "flush_each_epoch": True,
                 "accumulator_dtype": "float32", "measure_noise_scale": False,
-                "micro_batch_size": None}
+                "micro_batch_size": None, "memory_limit": None}
 
     def __init__(self, n_gradients=1, flush_each_epoch=True,
                  accumulator_dtype="float32", measure_noise_scale=False,
-                 micro_batch_size=None):
+                 micro_batch_size=None, memory_limit=None):
         self.n_gradients = check_n_gradients(n_gradients)
         self.flush_each_epoch = check_flush_each_epoch(flush_each_epoch)
         self.accumulator_dtype = check_accumulator_dtype(accumulator_dtype)
@@ -163,6 +191,8 @@ class Settings:
             measure_noise_scale, self.n_gradients
         )
         self.micro_batch_size = check_micro_batch_size(micro_batch_size)
+        self.memory_limit = check_memory_limit(memory_limit,
+                                               self.micro_batch_size)
 
     @classmethod
     def from_config(cls, config, defaults=None):

@@ -68,7 +68,7 @@ from accum_model.keras3.stateless_ops import KERAS_OPS
 from accum_model.keras3.stateless_ops import KERAS_SHAPES
 
 
-def micro_batches_step(model, state, data):
+def micro_batches_step(model, state, data, micro_batch_size=None):
     """One step on JAX whose batch is split into micro-batches of at most
     `micro_batch_size` samples per device (`core.micro_step`), run one
     after another inside the compiled step: pure, `(state, data) ->
@@ -83,12 +83,20 @@ def micro_batches_step(model, state, data):
     and the window's sums stay per device until the window ends.
     """
     accumulation = model._accumulation
-    micro_batch_size = accumulation.settings.micro_batch_size
     x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
     batch_size = int(divisor.batch_size(x, KERAS_SHAPES))
     devices = jax_window.batch_devices()
     if batch_size % devices:
         devices = 1
+    if micro_batch_size is None:
+        micro_batch_size = accumulation.settings.micro_batch_size
+    if micro_batch_size == "auto":
+        limit = memory_limit(accumulation.settings)
+        micro_batch_size = accumulation.micro_batch_size_for(
+            tuple(jnp.shape(leaf) for leaf in jax.tree.leaves(data)),
+            batch_size // devices,
+            lambda size: step_bytes(model, state, data, size) <= limit,
+            f"a compiled step within {limit:,} bytes")
     bounds = micro_step.micro_batch_bounds(batch_size // devices,
                                            micro_batch_size)
     scanned = len(bounds) - 1
@@ -126,6 +134,63 @@ def micro_batches_step(model, state, data):
                           counts=not scanned)
     finally:
         accumulation.micro_batches_in_step = 1
+
+
+def memory_limit(settings):
+    """Int. The bytes `micro_batch_size="auto"` fits a compiled step to:
+    `memory_limit`, or nine tenths of what the device's allocator may hold
+    (the rest for what lives outside the step).
+
+    Raises:
+        ValueError: Neither is known (a CPU reports no memory).
+    """
+    if settings.memory_limit is not None:
+        return settings.memory_limit
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        raise ValueError(
+            "micro_batch_size=\"auto\" on JAX fits the compiled step to the "
+            f"device's memory, which this device ({device.platform}) does "
+            "not report: give the bytes a step may hold, as "
+            "memory_limit=<bytes>, or an integer micro_batch_size. "
+            "Received: micro_batch_size=\"auto\", memory_limit=None")
+    return int(stats["bytes_limit"] * 0.9)
+
+
+def step_bytes(model, state, data, micro_batch_size):
+    """Int. The bytes one device holds in the step on batches shaped as
+    `data` split into micro-batches of `micro_batch_size` (the compiled
+    step's arguments, temporaries and outputs not written over its
+    arguments, by XLA's `memory_analysis`)."""
+    def abstract(value, sharding=None):
+        return jax.ShapeDtypeStruct(jnp.shape(value), jnp.result_type(value),
+                                    sharding=sharding)
+
+    state = jax.tree.map(abstract, state)
+    data = jax.tree.map(abstract, data)
+    blocks = model._accumulation.blocks
+    window_sharding = model._accumulation.window_sharding
+    if blocks is not None and window_sharding is not None:
+        # Laid out as `DataParallel` lays the step's state and batch out
+        # (every variable replicated, the window in blocks, the batch
+        # split), so that the account is one device's.
+        replicated = jax.sharding.NamedSharding(
+            blocks.mesh, jax.sharding.PartitionSpec())
+        *values, window = state[2]
+        state = jax.tree.map(lambda value: abstract(value, replicated),
+                             (state[0], state[1], values, state[3]))
+        state = (state[0], state[1], state[2] + [jax.tree.map(
+            abstract, window, window_sharding)], state[3])
+        data = jax.tree.map(lambda value: abstract(value, (
+            blocks.sharding if len(value.shape) else replicated)), data)
+    compiled = jax.jit(
+        functools.partial(micro_batches_step, model,
+                          micro_batch_size=micro_batch_size),
+        donate_argnums=0).lower(state, data).compile()
+    memory = compiled.memory_analysis()
+    return (memory.argument_size_in_bytes + memory.temp_size_in_bytes
+            + memory.output_size_in_bytes - memory.alias_size_in_bytes)
 
 
 def train_step(model, state, data, counts=True, may_end=True):
@@ -552,6 +617,13 @@ class JaxAdapter(StatelessAdapter):
         if model._accumulation.settings.micro_batch_size is not None:
             return micro_batches_step(model, state, data)
         return train_step(model, state, data)
+
+    @staticmethod
+    def choose_micro_batch_size(model, fit_arguments):
+        """Refuses "auto" where no memory is known to fit the step to,
+        before training; the step chooses for each shape of batch."""
+        del fit_arguments
+        memory_limit(model._accumulation.settings)
 
     @staticmethod
     def check_strategy(model):

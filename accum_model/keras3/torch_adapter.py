@@ -56,9 +56,13 @@ def micro_batches_step(model, data):
     another; returns the last one's logs."""
     accumulation = model._accumulation
     x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-    bounds = micro_step.micro_batch_bounds(
-        int(divisor.batch_size(x, KERAS_SHAPES)),
-        accumulation.settings.micro_batch_size)
+    batch_size = int(divisor.batch_size(x, KERAS_SHAPES))
+    micro_batch_size = accumulation.micro_batch_size_for(
+        tuple(tuple(leaf.shape) for leaf in keras.tree.flatten(data)
+              if leaf is not None),
+        batch_size, lambda size: passes_fit(model, x, size),
+        "the largest tried without an out-of-memory error")
+    bounds = micro_step.micro_batch_bounds(batch_size, micro_batch_size)
     accumulation.micro_batches_in_step = len(bounds)
     try:
         for index, (start, stop) in enumerate(bounds):
@@ -70,6 +74,37 @@ def micro_batches_step(model, data):
     finally:
         accumulation.micro_batches_in_step = 1
     return logs
+
+
+def passes_fit(model, x, size):
+    """Whether a forward and backward pass on the first `size` samples of
+    `x` runs without PyTorch's out-of-memory error. Leaves the model as it
+    was: its non-trainable variables (moving statistics, seeds) are put
+    back, and the gradients are taken apart from `.grad`."""
+    saved = [variable.value.detach().clone()
+             for variable in model.non_trainable_variables]
+    rows = keras.tree.map_structure(
+        lambda value: value if ops.ndim(value) == 0 else value[:size], x)
+    try:
+        with torch.enable_grad():
+            y_pred = (model(rows, training=True)
+                      if model._call_has_training_arg else model(rows))
+            total = sum(torch.sum(ops.cast(value, "float32"))
+                        for value in keras.tree.flatten(y_pred))
+            weights = [variable.value
+                       for variable in model.trainable_variables]
+            if total.requires_grad and weights:
+                torch.autograd.grad(total, weights, allow_unused=True)
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        with torch.no_grad():
+            for variable, value in zip(model.non_trainable_variables,
+                                       saved):
+                variable.value.copy_(value)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def train_step(model, data, counts=True, may_end=True):

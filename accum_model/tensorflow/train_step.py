@@ -37,13 +37,12 @@ def train_step(model, data, adapter: Adapter):
     """
     accumulation = model._accumulation
     data = _owned_by_the_step(data, model.distribute_strategy)
-    micro_batch_size = accumulation.settings.micro_batch_size
-    if micro_batch_size is None:
+    if accumulation.settings.micro_batch_size is None:
         x, y, y_pred, sample_weight, _ = _micro_step(model, data, adapter)
         logs = model.compute_metrics(x, y, y_pred,
                                      sample_weight=sample_weight)
     else:
-        logs = _micro_batches_step(model, data, adapter, micro_batch_size)
+        logs = _micro_batches_step(model, data, adapter)
     window = accumulation.window
     logs = micro_step.logged(
         logs, window.skipped_windows.value, accumulation.loss_scaling.active,
@@ -51,13 +50,15 @@ def train_step(model, data, adapter: Adapter):
     return adapter.logs_for_reduction(logs, model.distribute_strategy)
 
 
-def _micro_batches_step(model, data, adapter, micro_batch_size):
+def _micro_batches_step(model, data, adapter):
     """The batch `data` split into micro-batches of at most
     `micro_batch_size` samples (`core.micro_step`), each a micro step of
     the window, which may end after the last. The first runs outside the
     loop: the step's first trace creates the window's variables there."""
     accumulation = model._accumulation
     x, _, _ = adapter.unpack_x_y_sample_weight(data)
+    micro_batch_size = accumulation.micro_batch_size_for(
+        None, 1, _chosen_as_fit_starts, "")
     count = micro_step.micro_batch_count(
         divisor.batch_size(x, TF_SHAPES), micro_batch_size, TF_OPS)
     accumulation.micro_batches_in_step = count
@@ -92,6 +93,74 @@ def _micro_batches_step(model, data, adapter, micro_batch_size):
     accumulation.end_window_if_due(has_data)
     accumulation.micro_batches_in_step = 1
     return model.get_metrics_result()
+
+
+def _chosen_as_fit_starts(size):
+    del size
+    raise ValueError(
+        "micro_batch_size=\"auto\" on TensorFlow is chosen as fit() starts, "
+        "from its first batch (the step is traced for every size of batch "
+        "at once): call fit(), or give micro_batch_size an integer for "
+        "`train_on_batch` and loops of your own. Received: "
+        "micro_batch_size=\"auto\"")
+
+
+def choose_micro_batch_size(model, fit_arguments, adapter: Adapter):
+    """`micro_batch_size="auto"` on TensorFlow: the largest micro-batch of a
+    replica's share of `fit()`'s first batch whose forward and backward
+    pass runs without an out-of-memory error (`passes_fit`), chosen once,
+    as `fit()` starts."""
+    x = _first_batch_inputs(fit_arguments, adapter)
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    batch_size = -(-int(divisor.batch_size(x, TF_SHAPES)) // replicas)
+    model._accumulation.micro_batch_size_for(
+        None, batch_size, lambda size: passes_fit(model, x, size),
+        "the largest tried without an out-of-memory error")
+
+
+def _first_batch_inputs(fit_arguments, adapter: Adapter):
+    """The inputs of the first batch `fit()` will train on (its shape is
+    what counts), read without taking it from the data."""
+    x = fit_arguments.get("x")
+    if isinstance(x, tf.data.Dataset):
+        return adapter.unpack_x_y_sample_weight(next(iter(x.take(1))))[0]
+    if hasattr(x, "__getitem__") and hasattr(x, "__len__") and not (
+            isinstance(x, (dict, list, tuple)) or hasattr(x, "shape")):
+        # A `PyDataset` (or Keras 2's `Sequence`): its first batch.
+        return adapter.unpack_x_y_sample_weight(x[0])[0]
+    if x is None or not all(hasattr(value, "shape")
+                            for value in tf.nest.flatten(x)):
+        raise ValueError(
+            "micro_batch_size=\"auto\" on TensorFlow sizes micro-batches "
+            "from fit()'s first batch, which it reads from arrays, a "
+            "`tf.data.Dataset` or a `PyDataset` without taking it from the "
+            "data; a generator cannot be read so. Give micro_batch_size an "
+            f"integer. Received: x of type {type(x).__name__}")
+    batch_size = fit_arguments.get("batch_size") or 32
+    return tf.nest.map_structure(lambda value: value[:batch_size], x)
+
+
+def passes_fit(model, x, size):
+    """Whether a forward and backward pass on the first `size` samples of
+    `x` runs without TensorFlow's out-of-memory error. Leaves the model as
+    it was: its non-trainable variables (moving statistics, seeds) are put
+    back."""
+    saved = [tf.identity(variable) for variable in
+             model.non_trainable_variables]
+    rows = tf.nest.map_structure(
+        lambda value: value if len(value.shape) == 0 else value[:size], x)
+    try:
+        with tf.GradientTape() as tape:
+            y_pred = model(rows, training=True)
+            total = tf.add_n([tf.reduce_sum(tf.cast(value, tf.float32))
+                              for value in tf.nest.flatten(y_pred)])
+        tape.gradient(total, model.trainable_variables)
+        return True
+    except tf.errors.ResourceExhaustedError:
+        return False
+    finally:
+        for variable, value in zip(model.non_trainable_variables, saved):
+            variable.assign(value)
 
 
 def _rows(value, start, size):
@@ -254,6 +323,9 @@ class TensorFlowSteps:
     def evaluating_like_one_device(self, model, test_function):
         return evaluating_like_one_device(model, test_function,
                                           adapter=self)
+
+    def choose_micro_batch_size(self, model, fit_arguments):
+        choose_micro_batch_size(model, fit_arguments, adapter=self)
 
     def default_micro_batch_weight(self, model, x, y_pred):
         return default_micro_batch_weight(model, x, y_pred, adapter=self)
