@@ -467,3 +467,24 @@ def test_auto_on_tensorflow_refuses_what_it_cannot_size():
     with pytest.raises(ValueError, match="generator"):
         model.fit(batches(), steps_per_epoch=2, verbose=0)
     assert iterations(model) == 0
+
+
+def test_mixed_float16_windows_of_batches_split_unevenly():
+    # Windows of two batches of 16 split into 6 + 6 + 4, the epoch's last
+    # window a batch of 16 and one of 8 (6 + 2): the window's micro-batches
+    # differ in their share of it, under loss scaling too.
+    x, y = regression_data(samples=56)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        plain, model, _, _ = fit_split(
+            mlp, OPTIMIZERS["sgd"], x, y, batch_size=16,
+            micro_batch_size=6, n_gradients=2)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    float32_plain = mlp(keras.Model)
+    float32_plain.compile(optimizer=OPTIMIZERS["sgd"](), loss="mse")
+    float32_plain.fit(x, y, batch_size=32, epochs=2, shuffle=False,
+                      verbose=0)
+    assert iterations(model) == iterations(plain) == 4
+    rounding = max_weight_difference(plain, float32_plain)
+    assert max_weight_difference(model, plain) <= 2 * rounding + 1e-6

@@ -105,13 +105,17 @@ class TorchAccumulation(stateless_window.StatelessAccumulation):
     def scaled_for_grads(self, loss, weight):
         """The loss to differentiate into `.grad`: the micro-batch's loss
         times its weight relative to the window's first micro-batch's,
-        scaled as `get_scaled_loss` scales (the share is the same for every
-        micro step of a window). Relative, so that each sample's term in
-        the backward pass stays what `get_scaled_loss` makes it: the large
-        batch's, where float16 overflows as the large batch does."""
+        scaled as `get_scaled_loss` scales with the share of the window's
+        first micro-batch, kept for the window. Relative, so that each
+        sample's term in the backward pass stays what `get_scaled_loss`
+        makes it: the large batch's, where float16 overflows as the large
+        batch does."""
         if self._grads_weight is None:
             self._grads_weight = ops.where(weight > 0, weight, 1.0)
-        if self.loss_scaling.active:
+        if self.loss_scaling.active and self._grads_share is None:
+            # Kept for the window: the window end unscales its sums by one
+            # share, and batches split into different numbers of
+            # micro-batches (`micro_batch_size`) give theirs different ones.
             self._grads_share = self.micro_batch_share()
         return self.loss_scaling.scale_loss(
             loss * (weight / self._grads_weight), self._grads_share)
