@@ -117,7 +117,7 @@ def _step_mib(model, x, y, fit_batch):
 
 def measure(name, way, batch, micro_batch, epochs):
     build, data = MODELS[name]
-    x, y = data(batch * 8)
+    x, y = data(batch * 4)
     model = _compiled(build, way, batch, micro_batch)
     fit_batch = micro_batch if way == "windows" else batch
     step_mib = _step_mib(model, x, y, fit_batch)
@@ -140,7 +140,7 @@ def main():
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=32)
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--models", nargs="*", choices=list(MODELS),
                         default=list(MODELS))
     args = parser.parse_args()

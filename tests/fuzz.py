@@ -3,7 +3,8 @@ plain Keras's large batch, each exact or warned.
 
 A `Use` is a plain description (an architecture, a loss, sample or class
 weights, an optimizer with its clipping, schedule and EMA, a precision, a
-window and a micro-batch size, a number of samples that leaves a short last
+window and a micro-batch size (and a size each batch is split into inside
+the step, `micro_batch_size`), a number of samples that leaves a short last
 micro-batch, epochs and validation, a seed, one or two replicas, how the
 micro-batches reach `fit()`, and whether the run is saved in the middle of
 the epoch and resumed from the file); `uses()` draws them
@@ -137,6 +138,10 @@ class Use:
     # and loaded to train the rest.
     resume: str = "none"
     resume_after: int = 0
+    # The accumulating model's `micro_batch_size` (0: None): each of its
+    # batches of `micro_batch` is split into micro-batches of this size
+    # inside the step (a replica's share, under two).
+    split: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,7 +303,7 @@ def _drawn_use(picks):
         # three-term sums rounded to float16 left (tf_keras 2.21, two
         # replicas; docs/exactness.md).
         optimizers = _LINEAR_OPTIMIZERS
-    return Use(
+    use = Use(
         data=data,
         architecture=architecture,
         loss=loss,
@@ -321,6 +326,8 @@ def _drawn_use(picks):
         resume_after=(0 if resume == "none" else picks.integer(
             1, micro_batches - 1)),
     )
+    # Drawn last, so that a seed draws the rest as it did before.
+    return dataclasses.replace(use, split=picks.integer(0, 3))
 
 
 def two_replicas():
@@ -606,6 +613,8 @@ def _run(use):
         return Outcome(False, (), "", float("nan"), float("nan"),
                        plain_failed=f"{type(error).__name__}: {error}")
     def accumulate(**settings):
+        if use.split:
+            settings["micro_batch_size"] = use.split
         with (two_replicas().scope() if use.replicas == 2
               else contextlib.nullcontext()):
             accumulating = _model(use, AccumulatingModel,
