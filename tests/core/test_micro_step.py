@@ -5,9 +5,11 @@ of its loss's reductions, and the skipped windows' log entry."""
 import numpy as np
 import pytest
 
+from accum_model.core import arithmetic
 from accum_model.core import divisor
 from accum_model.core import micro_step
 from accum_model.core import window
+from accum_model.core.numpy_ops import NUMPY_OPS
 from accum_model.core.settings import Settings
 
 
@@ -142,3 +144,77 @@ def test_a_scalar_loss_keeps_the_rows_it_was_taken_over():
     unknown = divisor.reduction_of(np.float32(0.7), "sum_over_batch_size",
                                    _NUMPY_SHAPES)
     assert unknown.divisor is None and unknown.samples is None
+
+
+# A batch split inside the step (`micro_batch_size`) ------------------------
+
+
+@pytest.mark.parametrize("batch_size", [0, 1, 5, 31, 32, 33, 100])
+@pytest.mark.parametrize("size", [1, 4, 32])
+def test_micro_batches_cover_the_batch_once_within_their_size(batch_size,
+                                                              size):
+    bounds = micro_step.micro_batch_bounds(batch_size, size)
+    assert len(bounds) == micro_step.micro_batch_count(batch_size, size)
+    rows = [row for start, stop in bounds for row in range(start, stop)]
+    assert rows == list(range(batch_size))
+    assert all(0 <= stop - start <= size for start, stop in bounds)
+    # Only the last may be short (or an empty batch's one micro-batch).
+    assert all(stop - start == size for start, stop in bounds[:-1])
+
+
+def test_a_split_batch_is_one_micro_step_of_the_whole_batch():
+    # A linear model's mean squared error: each micro-batch's gradient is
+    # the mean of its samples', weighted by its samples; the first counts,
+    # the others do not, and the window ends after the last.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(11, 3))
+    y = rng.normal(size=(11,))
+    weights = rng.normal(size=(3,))
+
+    def gradient(rows):
+        error = x[rows] @ weights - y[rows]
+        return [2.0 * (x[rows].T @ error) / len(error)]
+
+    config = window.WindowConfig(overwrite=(False,))
+    whole = window.micro_batch_added(
+        config, window.empty_state([(3,)], "float64", (False,), 2,
+                                   NUMPY_OPS),
+        gradient(np.arange(11)), 11.0, 1.0, 11.0, NUMPY_OPS)
+    split = window.empty_state([(3,)], "float64", (False,), 2, NUMPY_OPS)
+    for index, (start, stop) in enumerate(
+            micro_step.micro_batch_bounds(11, 4)):
+        split = window.micro_batch_added(
+            config, split, gradient(np.arange(start, stop)),
+            float(stop - start), 1.0, float(stop - start), NUMPY_OPS,
+            counts=index == 0)
+        assert split.micro_steps == 1 and not window.ends(split)
+    np.testing.assert_allclose(
+        window.mean_gradients(config, split, ["float64"], NUMPY_OPS),
+        window.mean_gradients(config, whole, ["float64"], NUMPY_OPS))
+    assert (split.weight_sum, split.sample_sum) == (11.0, 11.0)
+    assert window.ends(window.micro_batch_added(
+        config, split, gradient(np.arange(11)), 11.0, 1.0, 11.0, NUMPY_OPS))
+
+
+def test_the_shares_of_a_split_batch_make_up_its_window():
+    # Two batches a window, each split in three: each micro-batch is a
+    # sixth of the window, on each of two replicas a twelfth.
+    share = arithmetic.micro_batch_share(2, 0, -1, 2, NUMPY_OPS,
+                                         micro_batches=3)
+    assert share == pytest.approx(1 / 12)
+
+
+def test_auto_bisects_to_the_largest_size_that_fits():
+    tried = []
+
+    def fits_24(size):
+        tried.append(size)
+        return size <= 24
+
+    assert micro_step.micro_batch_candidates(100) == [
+        1, 2, 4, 8, 16, 32, 64, 100]
+    assert micro_step.largest_fitting(100, fits_24) == 16
+    assert len(tried) <= 3
+    assert micro_step.largest_fitting(100, lambda size: True) == 100
+    assert micro_step.largest_fitting(100, lambda size: False) is None
+    assert micro_step.largest_fitting(1, lambda size: True) == 1
