@@ -173,34 +173,44 @@ def test_masked_sequences_with_uneven_valid_counts():
     _assert_same_losses(plain_history, history)
 
 
-def _data_with_overflow_in_second_batch():
-    x, y = regression_data(samples=64)
-    y = y.copy()
-    # Sample 41 is in the second batch of 32. Its error, times the loss
-    # scale, overflows float16 in the backward pass.
-    y[41] = 1e4
-    return x, y
-
-
-def test_mixed_float16_skips_the_batch_the_large_batch_skips():
-    x, y = _data_with_overflow_in_second_batch()
+def _mixed_float16_and_its_rounding(make_optimizer, x, y, batch_size,
+                                    micro_batch_size, n_gradients=1,
+                                    epochs=1):
+    """`fit_split` under `mixed_float16`, and how far plain Keras's large
+    batch lands from its float32 self (float16's rounding, as in
+    test_mixed_precision.py)."""
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         plain, model, _, history = fit_split(
-            mlp, OPTIMIZERS["adam"], x, y, batch_size=32,
-            micro_batch_size=8, epochs=1)
+            mlp, make_optimizer, x, y, batch_size=batch_size,
+            micro_batch_size=micro_batch_size, n_gradients=n_gradients,
+            epochs=epochs)
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    # The large batch in float32, to size float16's rounding.
-    float32_first_batch = mlp(keras.Model)
-    float32_first_batch.compile(optimizer=OPTIMIZERS["adam"](), loss="mse")
-    float32_first_batch.fit(x[:32], y[:32], batch_size=32, epochs=1,
-                            shuffle=False, verbose=0)
+    in_float32 = mlp(keras.Model)
+    in_float32.compile(optimizer=make_optimizer(), loss="mse")
+    # Where the large batch skips, float32's large batch skips nothing:
+    # its rounding is sized on the batches that were applied.
+    skipped = history.history.get("skipped_windows", [0])[-1]
+    samples = len(x) if not skipped else batch_size * n_gradients
+    in_float32.fit(x[:samples], y[:samples],
+                   batch_size=batch_size * n_gradients, epochs=epochs,
+                   shuffle=False, verbose=0)
+    return plain, model, history, max_weight_difference(plain, in_float32)
+
+
+def test_mixed_float16_skips_the_batch_the_large_batch_skips():
+    # The second batch of 32 holds a target whose error, times the loss
+    # scale, overflows float16 in the backward pass.
+    from test_mixed_precision import _data_with_overflow_in_second_window
+
+    x, y = _data_with_overflow_in_second_window()
+    plain, model, history, rounding = _mixed_float16_and_its_rounding(
+        OPTIMIZERS["adam"], x, y, batch_size=32, micro_batch_size=8)
     assert model.skipped_windows == 1
     assert history.history["skipped_windows"] == [1]
     assert iterations(model) == iterations(plain) == counted_steps(2, 1)
     assert loss_scale(model.optimizer) == loss_scale(plain.optimizer)
-    rounding = max_weight_difference(plain, float32_first_batch)
     assert max_weight_difference(model, plain) <= 2 * rounding + 1e-6
 
 
@@ -474,17 +484,8 @@ def test_mixed_float16_windows_of_batches_split_unevenly():
     # window a batch of 16 and one of 8 (6 + 2): the window's micro-batches
     # differ in their share of it, under loss scaling too.
     x, y = regression_data(samples=56)
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        plain, model, _, _ = fit_split(
-            mlp, OPTIMIZERS["sgd"], x, y, batch_size=16,
-            micro_batch_size=6, n_gradients=2)
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
-    float32_plain = mlp(keras.Model)
-    float32_plain.compile(optimizer=OPTIMIZERS["sgd"](), loss="mse")
-    float32_plain.fit(x, y, batch_size=32, epochs=2, shuffle=False,
-                      verbose=0)
+    plain, model, _, rounding = _mixed_float16_and_its_rounding(
+        OPTIMIZERS["sgd"], x, y, batch_size=16, micro_batch_size=6,
+        n_gradients=2, epochs=2)
     assert iterations(model) == iterations(plain) == 4
-    rounding = max_weight_difference(plain, float32_plain)
     assert max_weight_difference(model, plain) <= 2 * rounding + 1e-6
