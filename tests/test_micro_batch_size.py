@@ -489,3 +489,20 @@ def test_mixed_float16_windows_of_batches_split_unevenly():
         n_gradients=2, epochs=2)
     assert iterations(model) == iterations(plain) == 4
     assert max_weight_difference(model, plain) <= 2 * rounding + 1e-6
+
+
+def test_the_noise_scale_is_measured_on_the_micro_batches():
+    # Windows of 2 batches of 16, each split into 4 micro-batches of 4,
+    # measure what windows of 8 micro-batches of 4 measure.
+    x, y = regression_data(samples=256)
+    histories = []
+    for settings, batch_size in (({"n_gradients": 2,
+                                   "micro_batch_size": 4}, 16),
+                                 ({"n_gradients": 8}, 4)):
+        model = mlp(AccumulatingModel, measure_noise_scale=True, **settings)
+        model.compile(optimizer=OPTIMIZERS["sgd"](), loss="mse")
+        histories.append(model.fit(x, y, batch_size=batch_size, epochs=2,
+                                   shuffle=False, verbose=0).history)
+    assert np.all(np.isfinite(histories[0]["noise_scale"]))
+    np.testing.assert_allclose(histories[0]["noise_scale"],
+                               histories[1]["noise_scale"], rtol=1e-4)
