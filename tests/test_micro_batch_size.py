@@ -506,3 +506,17 @@ def test_the_noise_scale_is_measured_on_the_micro_batches():
     assert np.all(np.isfinite(histories[0]["noise_scale"]))
     np.testing.assert_allclose(histories[0]["noise_scale"],
                                histories[1]["noise_scale"], rtol=1e-4)
+
+
+def test_replicas_split_uneven_shares_apart(two_replicas):
+    # Batches of 7 split 4 and 3 on TensorFlow, each share into micro-
+    # batches of 2 (2 + 2 and 2 + 1), and the last of 50 samples 1 and 0
+    # (JAX splits batches of 8 equally): the replicas loop apart.
+    batch_size = 7 if ON_TENSORFLOW else 8
+    x, y = regression_data(samples=50)
+    plain, model, plain_history, history = fit_split(
+        mlp, OPTIMIZERS["sgd"], x, y, batch_size=batch_size,
+        micro_batch_size=2, strategy=two_replicas)
+    assert iterations(model) == iterations(plain) == 2 * -(-50 // batch_size)
+    assert max_weight_difference(plain, model) <= TOLERANCE
+    _assert_same_losses(plain_history, history)
