@@ -3,7 +3,8 @@ Keras at the large batch and the `n_gradients` mode at the micro-batch.
 
 Three ways to train on batches of B samples:
 
-- plain: `keras.Model` with `fit(batch_size=B)` (where it fits);
+- plain: `keras.Model` with `fit(batch_size=B)` (where it fits: an
+  out-of-memory error is printed as "does not fit");
 - split: `AccumulatingModel(micro_batch_size=b)` with `fit(batch_size=B)`;
 - windows: `AccumulatingModel(n_gradients=B // b)` with `fit(batch_size=b)`.
 
@@ -135,6 +136,15 @@ def measure(name, way, batch, micro_batch, epochs):
             "updates": int(model.optimizer.iterations)}
 
 
+def _out_of_memory(error):
+    """Whether `error` is a backend's out-of-memory error (plain Keras's
+    large batch may not fit where a GPU is lent)."""
+    text = f"{type(error).__name__} {error}"
+    return any(sign in text for sign in (
+        "OutOfMemory", "RESOURCE_EXHAUSTED", "ResourceExhausted",
+        "out of memory"))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -152,8 +162,16 @@ def main():
     print(f"{'model':12s} {'way':8s} {'step MiB':>9s} {'us/sample':>10s}")
     for name in args.models:
         for way in ("plain", "split", "windows"):
-            figures = measure(name, way, args.batch, args.micro_batch,
-                              args.epochs)
+            try:
+                figures = measure(name, way, args.batch, args.micro_batch,
+                                  args.epochs)
+            except Exception as error:  # noqa: BLE001 - any backend's
+                if not _out_of_memory(error):
+                    raise
+                results["models"].setdefault(name, {})[way] = None
+                print(f"{name:12s} {way:8s} does not fit: "
+                      f"{type(error).__name__}")
+                continue
             results["models"].setdefault(name, {})[way] = figures
             mib = ("-" if figures["step_mib"] is None
                    else f"{figures['step_mib']:.1f}")
