@@ -491,14 +491,16 @@ def test_mixed_float16_windows_of_batches_split_unevenly():
     assert max_weight_difference(model, plain) <= 2 * rounding + 1e-6
 
 
-def test_the_noise_scale_is_measured_on_the_micro_batches():
-    # Windows of 2 batches of 16, each split into 4 micro-batches of 4,
-    # measure what windows of 8 micro-batches of 4 measure.
+@pytest.mark.parametrize("n_gradients", [1, 2])
+def test_the_noise_scale_is_measured_on_the_micro_batches(n_gradients):
+    # Windows of n batches of 16, each split into 4 micro-batches of 4,
+    # measure what windows of 4n micro-batches of 4 measure (with n = 1
+    # too: the split gives a window of one batch its micro-batches).
     x, y = regression_data(samples=256)
     histories = []
-    for settings, batch_size in (({"n_gradients": 2,
+    for settings, batch_size in (({"n_gradients": n_gradients,
                                    "micro_batch_size": 4}, 16),
-                                 ({"n_gradients": 8}, 4)):
+                                 ({"n_gradients": 4 * n_gradients}, 4)):
         model = mlp(AccumulatingModel, measure_noise_scale=True, **settings)
         model.compile(optimizer=OPTIMIZERS["sgd"](), loss="mse")
         histories.append(model.fit(x, y, batch_size=batch_size, epochs=2,

@@ -90,24 +90,28 @@ def check_flush_each_epoch(flush_each_epoch):
     return flush_each_epoch
 
 
-def check_measure_noise_scale(measure_noise_scale, n_gradients):
+def check_measure_noise_scale(measure_noise_scale, n_gradients,
+                              micro_batch_size=None):
     """Returns `measure_noise_scale`, or raises.
 
     Raises:
         TypeError: Not a bool.
-        ValueError: True, and no window holds two micro-batches.
+        ValueError: True, and no window holds two micro-batches (a window
+            of one batch that `micro_batch_size` splits may).
     """
     if not isinstance(measure_noise_scale, bool):
         raise TypeError(
             "`measure_noise_scale` must be True or False. "
             f"Received: measure_noise_scale={measure_noise_scale!r}"
         )
-    if measure_noise_scale and max(window_lengths(n_gradients)) < 2:
+    if (measure_noise_scale and max(window_lengths(n_gradients)) < 2
+            and micro_batch_size is None):
         raise ValueError(
             "`measure_noise_scale=True` compares each micro-batch's gradient "
             "with its window's, which takes windows of 2 or more "
             "micro-batches: set `n_gradients` >= 2 (or give some epochs of "
-            "its schedule 2 or more), or measure_noise_scale=False. "
+            "its schedule 2 or more), or a `micro_batch_size` that splits "
+            "each batch, or measure_noise_scale=False. "
             f"Received: n_gradients={n_gradients!r}, "
             "measure_noise_scale=True"
         )
@@ -187,10 +191,10 @@ class Settings:
         self.n_gradients = check_n_gradients(n_gradients)
         self.flush_each_epoch = check_flush_each_epoch(flush_each_epoch)
         self.accumulator_dtype = check_accumulator_dtype(accumulator_dtype)
-        self.measure_noise_scale = check_measure_noise_scale(
-            measure_noise_scale, self.n_gradients
-        )
         self.micro_batch_size = check_micro_batch_size(micro_batch_size)
+        self.measure_noise_scale = check_measure_noise_scale(
+            measure_noise_scale, self.n_gradients, self.micro_batch_size
+        )
         self.memory_limit = check_memory_limit(memory_limit,
                                                self.micro_batch_size)
 
