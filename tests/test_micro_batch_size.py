@@ -15,9 +15,9 @@ import pytest
 from accum_model import AccumulatingModel
 from accum_model import accumulating
 from backends import ON_JAX
+from backends import ON_KERAS_2
 from backends import ON_TENSORFLOW
 from backends import ON_TORCH
-from backends import ON_KERAS_2
 from backends import jax_only
 from backends import keras_2_too
 from helpers import compiled_jax_step
