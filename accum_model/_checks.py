@@ -221,8 +221,8 @@ def check_micro_batch_size_reaches_the_step(model):
     hands gradients to the window: that step receives whole batches, which
     only AccumulatingModel's own step splits."""
     micro_batch_size = model._accumulation.settings.micro_batch_size
-    if micro_batch_size is None or not class_tree.own_step_feeds_window(
-            type(model)):
+    if (micro_batch_size is None
+            or not model._accumulation.own_step_feeds_window):
         return
     raise ValueError(
         f"{type(model).__name__}.train_step hands its gradients to the "

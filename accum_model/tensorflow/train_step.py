@@ -61,7 +61,6 @@ def _micro_batches_step(model, data, adapter):
         None, 1, _chosen_as_fit_starts, "")
     count = micro_step.micro_batch_count(
         divisor.batch_size(x, TF_SHAPES), micro_batch_size, TF_OPS)
-    accumulation.micro_batches_in_step = count
 
     def micro_batch(start):
         return tf.nest.map_structure(
@@ -76,22 +75,24 @@ def _micro_batches_step(model, data, adapter):
         finally:
             del model.get_metrics_result
 
-    x, y, y_pred, sample_weight, has_data = _micro_step(
-        model, micro_batch(0), adapter, may_end=False)
-    metrics_updated(x, y, y_pred, sample_weight, has_data)
-
     def next_micro_batch(index):
         metrics_updated(*_micro_step(
             model, micro_batch(index * micro_batch_size), adapter,
             counts=False, may_end=False))
         return (index + 1,)
 
-    if not (isinstance(count, int) and count == 1):
-        tf.while_loop(lambda index: index < count, next_micro_batch,
-                      (tf.constant(1, count.dtype if hasattr(count, "dtype")
-                                   else tf.int32),))
-    accumulation.end_window_if_due(has_data)
-    accumulation.micro_batches_in_step = 1
+    accumulation.micro_batches_in_step = count
+    try:
+        x, y, y_pred, sample_weight, has_data = _micro_step(
+            model, micro_batch(0), adapter, may_end=False)
+        metrics_updated(x, y, y_pred, sample_weight, has_data)
+        if not (isinstance(count, int) and count == 1):
+            tf.while_loop(lambda index: index < count, next_micro_batch,
+                          (tf.ones_like(count),))
+        accumulation.end_window_if_due(has_data)
+    finally:
+        # A trace that raised leaves no tensor of its graph behind.
+        accumulation.micro_batches_in_step = 1
     return model.get_metrics_result()
 
 
