@@ -14,6 +14,7 @@ import numpy as np
 
 from accum_model._chooser import adapter
 from accum_model.core import class_tree
+from accum_model.core import divisor
 from accum_model.core import messages
 from accum_model.core.messages import names_in_brief
 from accum_model.core.messages import unexpected_keyword
@@ -297,6 +298,72 @@ def warn_if_loss_divisor_is_unknown(model_class, warn):
     return True
 
 
+def note_losses_that_are_means(model):
+    """Finds the compiled loss functions of the user's that return their
+    batch's mean over the samples as one number, which the window weighs
+    exactly (`divisor.micro_batch_weight`'s `mean_losses`): each is tried on
+    generated targets and predictions of every output's shape, of 3 and 5
+    samples and the 8 together. One that returns a value per sample, fails,
+    or is not such a mean for some output is left out (and warned about
+    where it returns one number).
+    """
+    shapes = []
+    for output in getattr(model, "outputs", None) or ():
+        shape = tuple(output.shape[1:])
+        if all(d is not None for d in shape):
+            shapes.append(shape)
+    found = []
+    for loss in flatten(model.loss):
+        function = divisor.loss_function(loss)
+        if (not callable(function) or not shapes
+                or divisor.is_keras_own(function)
+                or divisor.is_keras_own(type(function))):
+            continue
+        if all(_is_a_mean_over_samples(function, shape)
+               for shape in shapes):
+            found.append(function)
+    model._accumulation.mean_loss_functions = found
+
+
+def _generated_batch(shape, dtype, seed=0, padded=True):
+    """8 samples of `shape` to try a function of a batch on: values in
+    (0.05, 0.95), or ones for integers (indices valid in any vocabulary).
+    `padded`: sample 0 is zeros, and samples 4 and 5 are -1 and -100 (for
+    integers 0), so that a mean over the values a mask keeps (padding
+    left out) is not a mean over the samples of the batch's parts (3 and
+    5 samples).
+    """
+    dtype = np.dtype(dtype)
+    if np.issubdtype(dtype, np.floating):
+        batch = np.random.default_rng(seed).uniform(0.05, 0.95,
+                                                    (8,) + shape)
+    else:
+        batch = np.ones((8,) + shape)
+    if padded:
+        batch[0] = 0
+        batch[4] = -1 if np.issubdtype(dtype, np.floating) else 0
+        batch[5] = -100 if np.issubdtype(dtype, np.floating) else 1
+    return batch.astype(dtype)
+
+
+def _is_a_mean_over_samples(function, shape):
+    """Whether loss `function`, on generated targets and predictions of
+    `shape` per sample, gives one number that is the mean of its values
+    on the batch's parts, weighted by their samples."""
+    pairs = np.stack([_generated_batch(shape, "float32"),
+                      _generated_batch(shape, "float32", seed=1,
+                                       padded=False)])
+    try:
+        first, second, both = (
+            adapter.value_of_call(lambda pair: function(pair[0], pair[1]),
+                                  part)
+            for part in (pairs[:, :3], pairs[:, 3:], pairs))
+    except Exception:  # noqa: BLE001 - any failure: it cannot be told
+        return False
+    return math.isclose(both, (3.0 * first + 5.0 * second) / 8.0,
+                        rel_tol=1e-4, abs_tol=1e-12)
+
+
 def warn_if_batch_statistics_differ(model, warn):
     """Warns when a BatchNormalization layer trains on micro-batches.
 
@@ -413,35 +480,114 @@ def warn_if_wrapped_modules_keep_batch_statistics(model, warn):
 
 def warn_if_layers_add_losses(model, warn):
     """Warns when layers add losses of their own (`add_loss` in `call`, or
-    in a method of the user's own that `call` reaches).
+    in a method of the user's own that `call` reaches) that a window cannot
+    weigh as the large batch does.
 
     Keras adds such a term as the layer computes it, and a window weighs it
-    like a mean over its micro-batch, as Keras's regularizers are; a term
-    summed over the batch would train 1/n_gradients as strong as in the
-    large batch. Keras's own regularizers are exact and not warned about.
+    like a mean over its micro-batch, as Keras's regularizers are: exact
+    for a mean of per-sample values (or a constant), which is not warned
+    about. Each layer is tried on two batches of generated inputs of 3 and
+    5 samples and on both together (`_added_loss_growth`): a term summed
+    over the batch would train 1/n_gradients as strong as in the large
+    batch; one of the batch's statistics cannot be weighed at all. A layer
+    that cannot be tried (its input shape unknown, several inputs, random
+    numbers drawn in `call`) is warned about as either. Under losses
+    reduced with "sum", the loss's own warning speaks of added terms
+    (`divisor.micro_batch_weight`).
 
     Args:
         model: The model about to train.
         warn: Callable taking a message, warning once per model.
     """
-    adding = sorted(
-        layer.name for layer in class_tree.layers_of(model)
-        if "add_loss" in _names_reached_from_call(type(layer))
-    )
-    if adding:
+    adding = [layer for layer in class_tree.layers_of(model)
+              if "add_loss" in _names_reached_from_call(type(layer))]
+    losses = flatten(model.loss)
+    if not adding or (losses and all(
+            getattr(loss, "reduction", None) == "sum" for loss in losses)):
+        return
+    growth = {layer.name: _added_loss_growth(layer) for layer in adding}
+    # A mean is exact where micro-batches are weighted by their samples;
+    # the traced step tells where they are not
+    # (`divisor.warn_if_activity_penalty_is_misweighted`).
+    model._accumulation.layers_adding_means = sorted(
+        name for name, grows in growth.items() if grows == "mean")
+    summed = sorted(name for name, grows in growth.items() if grows == "sum")
+    other = sorted(name for name, grows in growth.items() if grows is None)
+    if summed:
         warn(
-            f"Layers {adding} add losses with `add_loss`. A window weighs "
-            "each added term like a mean over its micro-batch, as Keras's "
-            "regularizers are: exact for a term that is a mean of "
-            "per-sample values over the batch (or a constant); a term "
-            "summed over the batch would count 1/n_gradients as much as in "
-            "the large batch (divide such a term by the batch size). A term "
-            "computed from the batch's statistics (a product of batch "
-            "means, as a mixture of experts' load-balancing loss) is taken "
-            "of each micro-batch's, and no weighting of the micro-batches "
-            "gives the large batch's: accept the difference, or compute it "
-            "from per-sample values."
+            f"Layers {summed} add losses with `add_loss` that are sums over "
+            "the batch (on two batches of generated inputs together, the "
+            "term was the sum of its values on each). A window weighs each "
+            "added term like a mean over its micro-batch, as Keras's "
+            "regularizers are, so such a term counts 1/n_gradients as much "
+            "as in the large batch: divide such a term by the batch size "
+            "(a mean of per-sample values is exact)."
         )
+    if other:
+        warn(
+            f"Layers {other} add losses with `add_loss` that are neither a "
+            "mean nor a sum of per-sample values over the batch (on two "
+            "batches of generated inputs together), or could not be tried "
+            "so (an input shape not known, several inputs, or random "
+            "numbers drawn in `call`). A window weighs each added term "
+            "like a mean over its micro-batch, as Keras's regularizers "
+            "are: exact for a term that is a mean of per-sample values "
+            "over the batch (or a constant); a term summed over the batch "
+            "would count 1/n_gradients as much as in the large batch "
+            "(divide such a term by the batch size). A term computed from "
+            "the batch's statistics (a product of batch means, as a "
+            "mixture of experts' load-balancing loss) is taken of each "
+            "micro-batch's, and no weighting of the micro-batches gives "
+            "the large batch's: accept the difference, or compute it from "
+            "per-sample values."
+        )
+
+
+def _added_loss_growth(layer):
+    """How the losses `layer` adds in a training call grow with its batch:
+    "mean", "sum", or None where they are neither or cannot be tried.
+
+    Tried on generated inputs of the layer's input shape, 3 and 5 samples
+    and the 8 together; the layer's variables are put back as they were
+    (a layer that draws random numbers is not tried: its generator would
+    move).
+    """
+    layers = list(layer._flatten_layers())
+    if any(adapter.draws_random_numbers(sublayer)
+           or "random" in _names_reached_from_call(type(sublayer))
+           for sublayer in layers):
+        return None
+    try:
+        shape = tuple(layer.input.shape[1:])
+        dtype = np.dtype(getattr(layer.input.dtype, "name",
+                                 layer.input.dtype))
+    except (AttributeError, ValueError, RuntimeError, TypeError):
+        return None
+    if not shape or any(d is None for d in shape):
+        return None
+    inputs = _generated_batch(shape, dtype)
+    variables = list(layer.variables)
+    saved = [np.array(variable) for variable in variables]
+
+    def added_losses(batch):
+        layer(batch, training=True)
+        return sum(layer.losses)
+
+    try:
+        first, second, both = (adapter.value_of_call(added_losses, part)
+                               for part in (inputs[:3], inputs[3:], inputs))
+    except Exception:  # noqa: BLE001 - any failure: it cannot be told
+        return None
+    finally:
+        for variable, value in zip(variables, saved):
+            if not np.array_equal(np.array(variable), value):
+                variable.assign(value)
+    if math.isclose(both, (3.0 * first + 5.0 * second) / 8.0,
+                    rel_tol=1e-4, abs_tol=1e-12):
+        return "mean"
+    if math.isclose(both, first + second, rel_tol=1e-4, abs_tol=1e-12):
+        return "sum"
+    return None
 
 
 def warn_if_activity_penalties_are_not_means(model, warn):
@@ -739,6 +885,7 @@ def check_ready_to_accumulate(model, requested_class):
         warn(optimizer_stray)
     warn_if_batch_statistics_differ(model, warn)
     warn_if_layers_add_losses(model, warn)
+    note_losses_that_are_means(model)
     warn_if_activity_penalties_are_not_means(model, warn)
     warn_if_layers_write_variables(model, warn)
     warn_if_layers_carry_state(model, warn)

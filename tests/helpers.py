@@ -217,6 +217,14 @@ def sum_of_squares(values):
     return keras.ops.sum(keras.ops.square(values))
 
 
+def mean_of_squares(values):
+    """A layer's scalar mean of `values` squared, under either Keras."""
+    if KERAS_MAJOR == 2:
+        import tensorflow as tf  # Keras 2 has no keras.ops.
+        return tf.reduce_mean(tf.square(values))
+    return keras.ops.mean(keras.ops.square(values))
+
+
 # Keras's dynamic loss-scaling optimizer (Keras 2 keeps it in
 # `keras.mixed_precision`).
 LossScaleOptimizer = (keras.mixed_precision.LossScaleOptimizer

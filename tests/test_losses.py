@@ -175,6 +175,42 @@ def test_functions_and_loss_subclasses_match_large_batch(loss):
     assert max_weight_difference(plain, model) <= TOLERANCE
 
 
+def _scalar_mean(y_true, y_pred):
+    """The mean a loss of one's own often returns as one number."""
+    return keras.ops.mean(keras.ops.square(y_true - y_pred))
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_scalar_mean_of_ones_own_is_exact_and_quiet(replicas,
+                                                       two_replicas):
+    # fit() tries the function on generated batches, finds the mean over
+    # samples that the window weighs exactly, and says nothing.
+    x, y = regression_data(samples=64)
+    plain, model = _fit_both(mlp, _scalar_mean, x, y,
+                             strategy=two_replicas if replicas == 2
+                             else None)
+    assert iterations(model) == iterations(plain) == 4
+    assert max_weight_difference(plain, model) <= TOLERANCE
+
+
+def test_a_scalar_mean_under_sample_weights_is_warned_about():
+    # Keras multiplies the one number by each sample's weight: no longer a
+    # mean the window can weigh.
+    x, y = regression_data(samples=64)
+    model = mlp(AccumulatingModel, n_gradients=4)
+    model.compile(optimizer="sgd", loss=_scalar_mean)
+    with pytest.warns(UserWarning, match="`_scalar_mean` returns one number"):
+        model.fit(x, y, sample_weight=np.linspace(0.5, 2.0, 64),
+                  batch_size=8, epochs=1, verbose=0)
+
+
+def _masked_regression_mean(y_true, y_pred):
+    """A mean over the targets that are not 0 (padding), as one number."""
+    mask = keras.ops.cast(keras.ops.not_equal(y_true, 0), "float32")
+    return (keras.ops.sum(mask * keras.ops.square(y_true - y_pred))
+            / keras.ops.sum(mask))
+
+
 def _scalar_sum(y_true, y_pred):
     return keras.ops.sum(keras.ops.square(y_true - y_pred))
 
@@ -206,7 +242,8 @@ class TokenMeanModel(AccumulatingModel):
 
 @pytest.mark.parametrize("loss, name", [
     (_scalar_sum, "_scalar_sum"), (_ScalarSum(), "_ScalarSum"),
-    (_masked_token_mean, "_masked_token_mean")])
+    (_masked_token_mean, "_masked_token_mean"),
+    (_masked_regression_mean, "_masked_regression_mean")])
 def test_a_scalar_loss_of_ones_own_is_warned_about_by_name(loss, name):
     # One number per micro-batch: a sum or a mean of unknown divisor.
     if name == "_masked_token_mean":

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from accum_model import AccumulatingModel
+from accum_model import _checks
 from accum_model import accumulating
 from accum_model._chooser import adapter
 from backends import ON_TORCH
@@ -17,6 +18,7 @@ from helpers import fit_both
 from helpers import iterations
 from helpers import keras
 from helpers import max_weight_difference
+from helpers import mean_of_squares
 from helpers import mlp
 from helpers import regression_data
 from helpers import sum_of_squares
@@ -192,6 +194,82 @@ def test_layers_that_add_losses_are_named_with_the_fix(layer_class):
     assert len(messages) == 1
     assert "['penalty']" in messages[0]
     assert "divide such a term by the batch size" in messages[0]
+
+
+class _MeanPenalty(keras.layers.Layer):
+    def call(self, inputs):
+        self.add_loss(0.1 * mean_of_squares(inputs))
+        return inputs
+
+
+class _CountedPenalty(keras.layers.Layer):
+    """Counts its training calls in a variable, and adds a mean then."""
+
+    def build(self, input_shape):
+        self.calls = self.add_weight(shape=(), initializer="zeros",
+                                     trainable=False, name="calls")
+
+    def call(self, inputs, training=False):
+        if training:
+            self.calls.assign_add(1.0)
+            self.add_loss(0.1 * mean_of_squares(inputs))
+        return inputs
+
+
+def test_trying_a_layer_that_adds_losses_leaves_it_as_it_was():
+    inputs = keras.Input((6,))
+    layer = _CountedPenalty()
+    keras.Model(inputs, layer(keras.layers.Dense(8)(inputs)))
+    assert _checks._added_loss_growth(layer) == "mean"
+    assert _checks._added_loss_growth(_SummedPenalty()) is None
+    assert float(np.array(layer.calls)) == 0.0
+
+
+def test_a_mean_added_with_add_loss_is_exact_and_quiet():
+    x, y = regression_data(samples=32)
+
+    def build(model_class, **kwargs):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((6,))
+        hidden = _MeanPenalty(name="penalty")(
+            keras.layers.Dense(8, activation="tanh")(inputs))
+        return model_class(inputs=inputs,
+                           outputs=keras.layers.Dense(3)(hidden), **kwargs)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain, model = fit_both(build, lambda: keras.optimizers.SGD(0.5), x,
+                                y, micro_batch=4, n_gradients=4)
+    assert not [w for w in caught if "add_loss" in str(w.message)]
+    assert max_weight_difference(plain, model) <= 1e-6
+
+
+def test_a_mean_added_with_add_loss_beside_a_loss_of_valid_elements_is_named():
+    # `ignore_class` weighs each micro-batch by its labels not ignored; the
+    # added mean is per sample.
+    x, _ = regression_data(samples=32)
+    labels = (np.abs(x[:, 0] * 3).astype("int32") % 3)
+
+    def build(model_class, **kwargs):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((6,))
+        hidden = _MeanPenalty(name="penalty")(
+            keras.layers.Dense(8, activation="tanh")(inputs))
+        return model_class(inputs=inputs,
+                           outputs=keras.layers.Dense(3)(hidden), **kwargs)
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                      ignore_class=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain, model = fit_both(build, lambda: keras.optimizers.SGD(0.5), x,
+                                labels, micro_batch=4, n_gradients=4,
+                                loss=loss)
+    named = [str(w.message) for w in caught
+             if "valid elements" in str(w.message)]
+    assert max_weight_difference(plain, model) > 1e-5
+    assert len(named) == 1 and "['penalty']" in named[0]
+    assert not [w for w in caught if "add losses with" in str(w.message)]
 
 
 class _RunningMean(keras.layers.Layer):

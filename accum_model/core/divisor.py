@@ -69,11 +69,16 @@ class Reduction:
         samples: Int32 scalar tensor or None. For a loss that was one
             number before reduction, the rows of the prediction it was
             given, by which replicas' such numbers are averaged.
+        function: The loss's function (a function Keras wrapped, or the
+            `Loss` itself), or None where it is not known.
+        weighted: Bool. Whether sample weights or a mask weighed the
+            values.
     """
 
     def __init__(self, reduction, divisor, may_vary, dependence=None,
                  loss_name="the loss", counts_valid=False,
-                 elements_per_sample=-1, samples=None):
+                 elements_per_sample=-1, samples=None, function=None,
+                 weighted=False):
         self.reduction = reduction
         self.divisor = divisor
         self.may_vary = may_vary
@@ -82,10 +87,12 @@ class Reduction:
         self.counts_valid = counts_valid
         self.elements_per_sample = elements_per_sample
         self.samples = samples
+        self.function = function
+        self.weighted = weighted
 
 
 def reduction_of(values, reduction, ops, mask=None, weight_sum=None,
-                 loss=None, prediction=None):
+                 loss=None, prediction=None, weighted=False):
     """The `Reduction` Keras applies to per-element loss `values`.
 
     Args:
@@ -100,13 +107,17 @@ def reduction_of(values, reduction, ops, mask=None, weight_sum=None,
             by, when it does.
         loss: The `Loss` object whose values these are, or None.
         prediction: The prediction the loss was given, or None.
+        weighted: Bool. Whether sample weights (or a mask) weighed the
+            values.
     """
     values = ops.convert(values)
     scalar = len(values.shape) == 0
     shape = getattr(prediction, "shape", None)
     described = {"dependence": batch_dependence(
                      loss, scalar, None if shape is None else len(shape)),
-                 "loss_name": _loss_name(loss)}
+                 "loss_name": _loss_name(loss),
+                 "function": loss_function(loss),
+                 "weighted": weighted or mask is not None}
     if scalar and shape is not None and len(shape) > 0:
         return Reduction(reduction, None, may_vary=True,
                          samples=ops.first_dimension(prediction), **described)
@@ -156,7 +167,7 @@ def batch_dependence(loss, scalar, prediction_rank=None):
     if loss is None:
         return None
     function = getattr(loss, "fn", None)
-    if not _is_keras_own(function if callable(function) else type(loss)):
+    if not is_keras_own(function if callable(function) else type(loss)):
         return SCALAR if scalar else None
     if function is None:
         return None
@@ -177,7 +188,14 @@ def batch_dependence(loss, scalar, prediction_rank=None):
     return None
 
 
-def _is_keras_own(thing):
+def loss_function(loss):
+    """The function a compiled loss computes: the one Keras wrapped (in a
+    `LossFunctionWrapper`'s `fn`), or the loss itself."""
+    function = getattr(loss, "fn", None)
+    return function if callable(function) else loss
+
+
+def is_keras_own(thing):
     """Whether a class or function is defined by Keras (2 or 3)."""
     module = getattr(thing, "__module__", None) or ""
     return module.split(".")[0] in ("keras", "tf_keras")
@@ -190,7 +208,7 @@ def _loss_name(loss):
         return "the loss"
     function = getattr(loss, "fn", None)
     wrapped_only = type(loss).__name__ == "LossFunctionWrapper"
-    if callable(function) and (wrapped_only or not _is_keras_own(function)):
+    if callable(function) and (wrapped_only or not is_keras_own(function)):
         return f"`{getattr(function, '__name__', type(loss).__name__)}`"
     return f"`{type(loss).__name__}`"
 
@@ -206,7 +224,8 @@ def is_summed(reductions):
     return bool(reductions) and all(r.reduction == SUM for r in reductions)
 
 
-def micro_batch_weight(reductions, fallback, warn, has_other_losses):
+def micro_batch_weight(reductions, fallback, warn, has_other_losses,
+                       mean_losses=()):
     """The micro-batch weight from the reductions of its loss terms.
 
     One term, or several whose divisors keep one ratio: the first term's
@@ -222,10 +241,13 @@ def micro_batch_weight(reductions, fallback, warn, has_other_losses):
             `_accumulation.warn_once`, so that every model is told).
         has_other_losses: Bool. Whether the model adds losses of its own
             (regularization, `add_loss`).
+        mean_losses: Loss functions of the user's found to return the mean
+            over the samples of their batch, as one number: weighed by the
+            prediction's elements, exact where nothing weighs their values.
     """
     if not reductions:
         return fallback()
-    _warn_about_batch_dependence(reductions, warn)
+    _warn_about_batch_dependence(reductions, warn, mean_losses)
     first = reductions[0]
     kinds = {r.reduction == SUM for r in reductions}
     if kinds == {True}:
@@ -261,12 +283,16 @@ def micro_batch_weight(reductions, fallback, warn, has_other_losses):
     return first.divisor
 
 
-def _warn_about_batch_dependence(reductions, warn):
+def _warn_about_batch_dependence(reductions, warn, mean_losses=()):
     """Warns (once) about each loss term no window of micro-batches can
-    weigh as the large batch does, naming the way out."""
+    weigh as the large batch does, naming the way out (a loss of
+    `mean_losses` is exact where nothing weighs its values)."""
     for term in reductions:
         name = term.loss_name
-        if term.dependence == SCALAR and term.reduction != SUM:
+        exact_mean = not term.weighted and any(
+            term.function is function for function in mean_losses)
+        if (term.dependence == SCALAR and term.reduction != SUM
+                and not exact_mean):
             warn(
                 f"The loss {name} returns one number for the whole "
                 "micro-batch, not one per sample, so the window cannot tell "
@@ -316,10 +342,15 @@ def default_weight(model, x, y_pred, get_mask, ops):
     """
     if model._accumulation.weight_from_batch_size:
         return ops.to_float32(batch_size(x, ops))
+    masked = any(get_mask(output) is not None
+                 for output in ops.flatten(y_pred) if output is not None)
     weight = micro_batch_weight(
         getattr(model, "_traced_loss_reductions", []),
         lambda: fallback_divisor(x, y_pred, get_mask, ops),
         _warning_for(model), has_other_losses=bool(model.losses),
+        # Under a Keras mask the elements weighed are the valid ones.
+        mean_losses=(() if masked
+                     else model._accumulation.mean_loss_functions),
     )
     # "sum": nothing divides; the window is the sum of its micro-batches.
     return ops.to_float32(1.0) if weight is SUM else weight
@@ -420,7 +451,8 @@ def warn_if_activity_penalty_is_misweighted(model, y_pred, get_mask, ops):
     Where the loss divides by valid elements (a Keras mask on the output,
     a mask the loss makes itself such as `ignore_class`, or a mean weighted
     by the sample weights), a micro-batch is weighted by them, right for
-    the loss; an activity regularizer adds a per-sample penalty, which the
+    the loss; an activity regularizer, or a layer's `add_loss` term found
+    to be a mean over the samples, adds a per-sample penalty, which the
     large batch weights by samples.
 
     Args:
@@ -441,15 +473,16 @@ def warn_if_activity_penalty_is_misweighted(model, y_pred, get_mask, ops):
     regularized = [
         layer.name for layer in model._flatten_layers()
         if getattr(layer, "activity_regularizer", None) is not None
-    ]
+    ] + list(model._accumulation.layers_adding_means)
     if valid_only and regularized:
         model._accumulation.warn_once(
             "The loss divides each micro-batch by its valid elements (a "
             "Keras mask, `ignore_class`, or a mean weighted by the sample "
             "weights), so each micro-batch is weighted by them, but layers "
-            f"{regularized} add an activity penalty per sample: the window "
+            f"{regularized} add a penalty per sample (an activity "
+            "penalty, or a mean added with `add_loss`): the window "
             "then weights that penalty unlike the large batch does, and no "
             "one weight is right for both. Override `micro_batch_weight` "
-            "(e.g. to return the batch size), or drop the activity "
-            "regularizer, to make the trade-off explicit.",
+            "(e.g. to return the batch size), or drop the penalty, to "
+            "make the trade-off explicit.",
         )

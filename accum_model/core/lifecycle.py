@@ -63,6 +63,12 @@ class WindowLifecycle:
         # The loss elements per sample each loss term met in the micro
         # steps (see `divisor.warn_if_padded_length_varies`).
         self.elements_per_sample_seen = {}
+        # The layers whose `add_loss` terms are means over the samples
+        # (`_checks.warn_if_layers_add_losses`).
+        self.layers_adding_means = []
+        # The compiled loss functions of the user's that return their
+        # batch's mean as one number (`_checks.note_losses_that_are_means`).
+        self.mean_loss_functions = []
         # Micro steps in the current epoch, or -1 when unknown or when
         # windows carry across epochs.
         self._epoch_steps = -1

@@ -143,7 +143,7 @@ def recording_loss_reductions(reduced=None):
         loss_object, prediction = _calling_loss()
         records.append(divisor.reduction_of(
             losses, reduction, TF_SHAPES, mask, loss=loss_object,
-            prediction=prediction))
+            prediction=prediction, weighted=sample_weight is not None))
         return loss if reduced is None else reduced(loss, records[-1])
 
     with replaced(_losses_utils, {"apply_valid_mask": noting_mask,

@@ -173,7 +173,8 @@ def recording_loss_reductions(shape_ops, reduced=None):
         loss_object, prediction = _calling_loss()
         records.append(divisor.reduction_of(
             values, reduction, shape_ops, mask, weight_sum,
-            loss=loss_object, prediction=prediction))
+            loss=loss_object, prediction=prediction,
+            weighted=sample_weight is not None))
         return loss if reduced is None else reduced(loss, records[-1])
 
     with replaced(keras_loss_module, {"reduce_weighted_values": recording}):

@@ -98,6 +98,8 @@ class _Accumulation:
 
     def __init__(self):
         self.elements_per_sample_seen = {}
+        self.layers_adding_means = []
+        self.mean_loss_functions = []
         self.warnings = []
 
     def warn_once(self, message, *args, **kwargs):
@@ -127,6 +129,30 @@ def test_a_reduced_loss_is_kept_for_the_weight_and_decides_the_divisor():
         model, _reductions("sum_over_batch_size"), y_pred,
         lambda output: None, _NUMPY_SHAPES)
     assert not model._accumulation.warnings
+
+
+def _scalar_loss(y_true, y_pred):
+    return np.mean(np.square(y_true - y_pred))
+
+
+@pytest.mark.parametrize("found_a_mean, weighted, warned", [
+    (False, False, True), (True, False, False), (True, True, True)])
+def test_a_scalar_loss_found_a_mean_is_weighed_without_a_warning(
+        found_a_mean, weighted, warned):
+    # One number per micro-batch: warned, unless the loss was found to be
+    # its batch's mean over samples and nothing weighed its values.
+    reductions = [divisor.reduction_of(
+        np.float32(0.5), "sum_over_batch_size", _NUMPY_SHAPES,
+        loss=type("Wrapper", (), {"fn": staticmethod(_scalar_loss)})(),
+        weighted=weighted)]
+    assert reductions[0].dependence == divisor.SCALAR
+    messages = []
+    weight = divisor.micro_batch_weight(
+        reductions, lambda: np.float32(12.0), messages.append,
+        has_other_losses=False,
+        mean_losses=[_scalar_loss] if found_a_mean else [])
+    assert weight == 12.0  # the prediction's elements
+    assert bool([m for m in messages if "one number" in m]) == warned
 
 
 def test_a_scalar_loss_keeps_the_rows_it_was_taken_over():
