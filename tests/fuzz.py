@@ -886,6 +886,81 @@ def _long_run(count, first_seed=0):
         print("\n" + failure)
 
 
+# `compare_with_large_batch` against the fuzzer ---------------------------
+
+
+def checked_use(use):
+    """`use` as `compare_with_large_batch` can train it: arrays, one epoch
+    on one device, no class weights (it takes sample weights), no
+    validation, saving or split batch."""
+    return dataclasses.replace(
+        use, data="arrays", epochs=1, validation=False, resume="none",
+        resume_after=0, replicas=1, split=0,
+        sample_weights=("none" if use.sample_weights == CLASS_WEIGHTS
+                        else use.sample_weights))
+
+
+def check(use):
+    """Runs `compare_with_large_batch` on `use` (a `checked_use`) and the
+    fuzzer's own three trainings; returns (its `LargeBatchComparison`, the
+    fuzzer's `Outcome`). The two agree where the check says "matches"
+    exactly where the fuzzer found the training exact."""
+    from accum_model import compare_with_large_batch
+
+    with _precision(use):
+        x, y, sample_weight, _ = _data(use)
+        model = _model(use, keras.Model)
+        model.compile(optimizer=_optimizer(use), loss=_loss(use),
+                      loss_weights=_loss_weights(use))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            comparison = compare_with_large_batch(
+                model, x, y, batch_size=use.micro_batch,
+                n_gradients=use.n_gradients,
+                steps=-(-use.samples // (use.n_gradients * use.micro_batch)),
+                sample_weight=sample_weight, seed=use.seed)
+    return comparison, run(use)
+
+
+def _check_run(count, first_seed=0):
+    """Runs `check` on the `checked_use`s of the uses drawn from seeds
+    `first_seed` on, and prints each disagreement: the check saying
+    "matches" where the training differs (a quiet wrong answer of the
+    check), or "differs" where it is exact (a false alarm)."""
+    counts = {"uses": 0, "agree": 0, "matches where it differs": 0,
+              "differs where exact": 0, "no verdict": 0, "errors": 0}
+    for use_seed in range(first_seed, first_seed + count):
+        use = checked_use(random_use(use_seed))
+        counts["uses"] += 1
+        try:
+            comparison, outcome = check(use)
+        except Exception as error:  # noqa: BLE001 - reported, run goes on
+            counts["errors"] += 1
+            print(counts["uses"], use_seed, "error",
+                  f"{type(error).__name__}: {error}", use, flush=True)
+            continue
+        if (comparison.matches is None or outcome.refused
+                or outcome.plain_failed):
+            kind = "no verdict"
+        elif comparison.matches == outcome.exact:
+            kind = "agree"
+        elif comparison.matches:
+            kind = "matches where it differs"
+        else:
+            kind = "differs where exact"
+        counts[kind] += 1
+        print(counts["uses"], use_seed, kind, use, flush=True)
+        if kind not in ("agree", "no verdict"):
+            print(f"    check: {comparison}\n    fuzzer: {outcome}",
+                  flush=True)
+    for name, value in counts.items():
+        print(f"{name}: {value}")
+
+
 if __name__ == "__main__":
-    _long_run(int(sys.argv[1]) if len(sys.argv) > 1 else 100,
-              int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+    if sys.argv[1:2] == ["--check"]:
+        _check_run(int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3
+                   else 0)
+    else:
+        _long_run(int(sys.argv[1]) if len(sys.argv) > 1 else 100,
+                  int(sys.argv[2]) if len(sys.argv) > 2 else 0)
