@@ -23,6 +23,9 @@ and says whether the accumulating model landed within `FLOOR_FACTOR` times
 the floor, and whether it warned (or refused) where plain Keras did not.
 A use passes when it is exact or warned: a quiet difference is a defect.
 
+`check(use)` runs `compare_with_large_batch`, the check users run, on a
+use as it can train it (`checked_use`), beside `run`: the two must agree.
+
 `reproduction(use, outcome)` is a script that runs the use again.
 `python tests/fuzz.py N [FIRST_SEED]` runs the N uses `random_use` draws
 from seeds FIRST_SEED onwards and prints the counts (the long mode; see
