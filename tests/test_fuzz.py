@@ -1,5 +1,6 @@
 """The differential fuzzer (`fuzz.py`): generated uses are exact against
-plain Keras's large batch, or warned.
+plain Keras's large batch, or warned; `compare_with_large_batch` agrees
+with the fuzzer on them.
 
 A fixed set of uses runs in the suite; `ACCUM_FUZZ_USES=N` runs N (the long
 mode, see CONTRIBUTING.md). A failing use is shrunk by Hypothesis to a
@@ -32,3 +33,22 @@ def test_each_generated_use_is_exact_or_warned(use):
     if outcome.plain_failed:
         hypothesis.event("plain Keras failed")
     assert outcome.passes, fuzz.reproduction(use, outcome)
+
+
+CHECKED_USES = int(os.environ.get("ACCUM_CHECK_FUZZ_USES", "3"))
+
+
+@hypothesis.settings(max_examples=CHECKED_USES, deadline=None,
+                     database=None, derandomize=True,
+                     suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(use=fuzz.uses().map(fuzz.checked_use))
+def test_the_large_batch_check_agrees_with_the_fuzzer(use):
+    # `compare_with_large_batch` says "matches" exactly where the fuzzer
+    # found the training exact (where either can tell).
+    comparison, outcome = fuzz.check(use)
+    if (comparison.matches is None or outcome.refused
+            or outcome.plain_failed):
+        hypothesis.event("no verdict")
+        return
+    assert comparison.matches == outcome.exact, (
+        f"{comparison}\n{outcome}\n{fuzz.reproduction(use, outcome)}")
