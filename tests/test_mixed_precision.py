@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from accum_model import AccumulatingModel
+from accum_model._chooser import adapter
 from backends import ON_KERAS_2
 from backends import ON_TENSORFLOW
 from backends import jax_only
@@ -20,6 +21,7 @@ from helpers import iterations
 from helpers import keras
 from helpers import loss_scale
 from helpers import max_weight_difference
+from helpers import mean_of_squares
 from helpers import mlp
 from helpers import numpy_of
 from helpers import regression_data
@@ -180,6 +182,43 @@ def test_mixed_bfloat16_matches_bfloat16_large_batch():
     rounding = max_weight_difference(plain, float32_model)
     assert iterations(accumulating) == 6
     assert max_weight_difference(plain, accumulating) <= 2 * rounding + 1e-6
+
+
+class _MeanPenalty(keras.layers.Layer):
+    def call(self, inputs):
+        # In float32, as Keras adds losses (on TensorFlow it cannot add a
+        # 16-bit term to its float32 loss).
+        self.add_loss(0.1 * mean_of_squares(
+            keras.ops.cast(inputs, "float32")))
+        return inputs
+
+
+@keras_3_only("keras.ops in the layer")
+def test_the_first_fit_of_a_process_under_mixed_bfloat16_trains_quietly():
+    # What fit() measures of this Keras once a process (an activity
+    # penalty's divisor) and the layers it tries (a mean added with
+    # `add_loss`) are read in float32: TensorFlow converts no bfloat16
+    # tensor to NumPy.
+    measured_once = getattr(adapter.losses.activity_penalty_is_a_mean,
+                            "cache_clear", None)
+    if measured_once is not None:
+        measured_once()
+    x, y = regression_data(samples=32)
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        inputs = keras.Input((6,))
+        hidden = _MeanPenalty(name="penalty")(
+            keras.layers.Dense(8, activation="tanh")(inputs))
+        model = AccumulatingModel(inputs, keras.layers.Dense(3)(hidden),
+                                  n_gradients=2)
+        model.compile(optimizer="sgd", loss="mse")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert iterations(model) == 4
+    assert not [w for w in caught if "add_loss" in str(w.message)]
 
 
 class DoubledGradients(AccumulatingModel):

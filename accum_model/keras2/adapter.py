@@ -70,8 +70,9 @@ class Keras2Adapter(TensorFlowSteps, Adapter):
 
     @staticmethod
     def value_of_call(function, array):
-        """Float. `function` of the NumPy `array` as a tensor, eagerly."""
-        return float(tf.convert_to_tensor(function(tf.constant(array))))
+        """Float. `function` of the NumPy `array` as a tensor, eagerly
+        (read in float32, as bfloat16 converts to no NumPy type)."""
+        return float(tf.cast(function(tf.constant(array)), tf.float32))
 
     @staticmethod
     def logs_for_reduction(logs, strategy):

@@ -37,10 +37,12 @@ class Keras3Adapter(Adapter):
 
     @staticmethod
     def value_of_call(function, array):
-        """Float. `function` of the NumPy `array` as a tensor, eagerly."""
+        """Float. `function` of the NumPy `array` as a tensor, eagerly
+        (read in float32: TensorFlow converts no bfloat16 tensor to
+        NumPy)."""
         ops = keras.ops
-        return float(ops.convert_to_numpy(function(
-            ops.convert_to_tensor(array))))
+        return float(ops.convert_to_numpy(ops.cast(function(
+            ops.convert_to_tensor(array)), "float32")))
 
     @staticmethod
     def draws_random_numbers(layer):

@@ -31,11 +31,15 @@ def activity_penalty_is_a_mean():
     size (keras 3.14 and newer do, measured on 3.15.1; 3.6-3.13 sum it over
     the batch, measured on 3.6.0 and 3.10.0). Call it eagerly: it runs a
     layer."""
-    layer = keras.layers.Activation("linear", activity_regularizer="l2")
+    # In float32 whatever the global policy: TensorFlow converts no
+    # bfloat16 tensor to NumPy (tensorflow 2.16-2.21).
+    layer = keras.layers.Activation("linear", activity_regularizer="l2",
+                                    dtype="float32")
     penalties = []
     for rows in (1, 2):
         layer(np.ones((rows, 1), "float32"))
-        penalties.append(float(ops.convert_to_numpy(layer.losses[0])))
+        penalties.append(float(ops.convert_to_numpy(
+            ops.cast(layer.losses[0], "float32"))))
     return bool(np.isclose(penalties[0], penalties[1]))
 
 
