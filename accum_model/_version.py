@@ -1,3 +1,3 @@
 """The package version, readable without importing TensorFlow."""
 
-__version__ = "0.3.0"
+__version__ = "0.3.1"
