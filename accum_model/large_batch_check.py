@@ -45,6 +45,10 @@ FLOOR_FACTOR = 10.0
 # difference within it cannot be told from 16-bit rounding; a gradient
 # scaled twice or a skipped window lands orders further.
 FLOOR_FACTOR_16 = 4.0
+# How many times the distance between the large batch's 16-bit training and
+# its float32 twin a 16-bit weight may land from the large batch (the
+# differential fuzzer's measure of the same).
+PRECISION_FACTOR = 4.0
 # The relative spacing of 16-bit floats a layer may compute in: each
 # micro-batch's gradient is rounded to it where the large batch rounds the
 # whole batch's once.
@@ -222,9 +226,11 @@ def _compare(model, x, y, batch_size, n_gradients, steps, sample_weight,
     start = model.get_weights()
     in_order = np.arange(samples)
 
-    def train(copy_settings, window_batch, order, switch_off):
+    def train(copy_settings, window_batch, order, switch_off,
+              in_float32=False):
         """The copy's weights after training, and its warnings."""
-        copy = _compiled_copy(model, copy_settings)
+        copy = (_float32_twin(model) if in_float32
+                else _compiled_copy(model, copy_settings))
         if switch_off:
             _switch_off_random_layers(copy)
         x_, y_, w_ = (_take(part, order) for part in (x, y, sample_weight))
@@ -253,6 +259,18 @@ def _compare(model, x, y, batch_size, n_gradients, steps, sample_weight,
     reordered, _ = large(_reversed_within(samples, large_batch), True)
     order_dependence = _on_one_device(model, functools.partial(
         _order_dependence, model, _take(x, in_order[:large_batch]), seed))
+    # How far 16 bits move the large batch itself from its float32
+    # training: where an optimizer that normalizes its steps (Adam,
+    # RMSprop) turns rounding into steps, far beyond each gradient's own
+    # rounding.
+    in_float32 = None
+    if rounding_dtype in _EPSILON_16:
+        with _float32_policy():
+            try:
+                in_float32, _ = _on_one_device(model, functools.partial(
+                    train, None, large_batch, in_order, True, True))
+            except Exception:  # noqa: BLE001 - the floor stays its own
+                in_float32 = None
 
     eps32 = float(np.finfo(np.float32).eps)
     largest = max((float(np.max(np.abs(w))) for w in reference if w.size),
@@ -265,7 +283,7 @@ def _compare(model, x, y, batch_size, n_gradients, steps, sample_weight,
         repeat_gap > FLOOR_FACTOR * eps32 * max(largest, 1.0)
         or order_dependence > _ORDER_TOLERANCE[rounding_dtype])
     floors, allowed = _bounds(model, rounding_dtype, largest, reference,
-                              repeated, reordered, start)
+                              repeated, reordered, start, in_float32)
     gaps = [_max_difference([a], [b])
             for a, b in zip(accumulated, reference)]
     shares = [gap / bound if bound else (np.inf if gap else 0.0)
@@ -297,7 +315,7 @@ def _compare(model, x, y, batch_size, n_gradients, steps, sample_weight,
 
 
 def _bounds(model, rounding_dtype, largest, reference, repeated, reordered,
-            start):
+            start, in_float32=None):
     """Each weight's rounding floor and allowed difference.
 
     A weight whose gradient stays in float32 has the float32 floor: how far
@@ -307,7 +325,10 @@ def _bounds(model, rounding_dtype, largest, reference, repeated, reordered,
     through a layer computing in 16 bits has its own floor: its own moves,
     at least its type's epsilon times its change in the large batch's
     training (each micro-batch's gradient is rounded to 16 bits where the
-    large batch's is rounded once), allowed `FLOOR_FACTOR_16` times over.
+    large batch's is rounded once), allowed `FLOOR_FACTOR_16` times over;
+    or, where that is further, `PRECISION_FACTOR` times how far it lands
+    in the large batch's training from the same training in float32
+    (`in_float32`, its weights; None where no float32 twin was made).
     """
     rounded = (_rounded_to_16_bits(model) if rounding_dtype in _EPSILON_16
                else [False] * len(reference))
@@ -316,14 +337,18 @@ def _bounds(model, rounding_dtype, largest, reference, repeated, reordered,
     floor32 = max([float(np.finfo(np.float32).eps) * largest] + [
         move for move, in_16_bits in zip(moves, rounded) if not in_16_bits])
     floors, allowed = [], []
-    for after, before, move, in_16_bits in zip(reference, start, moves,
-                                               rounded):
+    twins = in_float32 if in_float32 is not None else [None] * len(start)
+    for after, before, twin, move, in_16_bits in zip(reference, start, twins,
+                                                     moves, rounded):
         if in_16_bits:
             floor = max(floor32, move, _EPSILON_16[rounding_dtype]
                         * _max_difference([after], [before]))
-            floors.append(floor)
+            precision = (0.0 if twin is None
+                         else _max_difference([after], [twin]))
+            floors.append(max(floor, precision))
             allowed.append(max(FLOOR_FACTOR * floor32,
-                               FLOOR_FACTOR_16 * floor))
+                               FLOOR_FACTOR_16 * floor,
+                               PRECISION_FACTOR * precision))
         else:
             floors.append(floor32)
             allowed.append(FLOOR_FACTOR * floor32)
@@ -476,6 +501,66 @@ def _compiled_copy(model, settings):
     elif isinstance(copy, AccumulatingModel):
         accumulating(copy, n_gradients=1)
     return copy
+
+
+def _float32_twin(model):
+    """A plain copy of `model` whose layers compute in float32, with its
+    weights, compiled with a fresh copy of its optimizer (without loss
+    scaling): rebuilt from its config with every 16-bit or mixed dtype
+    policy in it made float32, under the float32 global policy."""
+    classes = {type(layer).__name__: type(layer)
+               for layer in class_tree.layers_of(model)}
+    with adapter.saving.unsafe_deserialization(), \
+            keras.utils.custom_object_scope(classes), \
+            adapter.saving.compiled_state_hidden(model):
+        twin = type(model).from_config(_in_float32(model.get_config()))
+    twin.set_weights(model.get_weights())
+    arguments = dict(adapter.compile_arguments(model))
+    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+    arguments.update(
+        optimizer=type(optimizer).from_config(optimizer.get_config()),
+        metrics=None, weighted_metrics=None)
+    twin.compile(**arguments)
+    if isinstance(twin, AccumulatingModel):
+        accumulating(twin, n_gradients=1)
+    return twin
+
+
+# The dtype policies a float32 twin computes in float32 instead.
+_NARROW_POLICIES = ("mixed_float16", "mixed_bfloat16", "float16", "bfloat16")
+
+
+def _in_float32(config):
+    """`config` (a model's, nested) with each "dtype" that names a 16-bit
+    or mixed policy, as a name or a policy's config, made float32."""
+    if isinstance(config, list):
+        return [_in_float32(value) for value in config]
+    if not isinstance(config, dict):
+        return config
+    changed = {}
+    for key, value in config.items():
+        if key == "dtype" and _names_narrow_policy(value):
+            changed[key] = "float32"
+        else:
+            changed[key] = _in_float32(value)
+    return changed
+
+
+def _names_narrow_policy(value):
+    if isinstance(value, dict):
+        value = (value.get("config") or {}).get("name")
+    return value in _NARROW_POLICIES
+
+
+@contextlib.contextmanager
+def _float32_policy():
+    """Keras's global dtype policy float32 while the block runs."""
+    policy = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("float32")
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy(policy)
 
 
 def _copy(model):
