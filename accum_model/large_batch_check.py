@@ -228,7 +228,8 @@ def _compare(model, x, y, batch_size, n_gradients, steps, sample_weight,
 
     def train(copy_settings, window_batch, order, switch_off,
               in_float32=False):
-        """The copy's weights after training, and its warnings."""
+        """The copy's weights after training, its warnings, and whether
+        its loss scaling skipped a step."""
         copy = (_float32_twin(model) if in_float32
                 else _compiled_copy(model, copy_settings))
         if switch_off:
@@ -239,7 +240,7 @@ def _compare(model, x, y, batch_size, n_gradients, steps, sample_weight,
             warnings.simplefilter("always")
             copy.fit(x_, y_, sample_weight=w_, batch_size=window_batch,
                      epochs=1, shuffle=False, verbose=0)
-        return copy.get_weights(), caught
+        return copy.get_weights(), caught, _skipped_a_step(copy)
 
     def large(order, switch_off):
         return _on_one_device(model, functools.partial(
@@ -252,23 +253,24 @@ def _compare(model, x, y, batch_size, n_gradients, steps, sample_weight,
         difference = _max_difference(
             train(settings, batch_size, in_order, False)[0],
             large(in_order, False)[0])
-    accumulated, caught_accumulating = train(settings, batch_size, in_order,
-                                             True)
-    reference, caught_large = large(in_order, True)
-    repeated, _ = large(in_order, True)
-    reordered, _ = large(_reversed_within(samples, large_batch), True)
+    accumulated, caught_accumulating, _ = train(settings, batch_size,
+                                                in_order, True)
+    reference, caught_large, skipped = large(in_order, True)
+    repeated = large(in_order, True)[0]
+    reordered = large(_reversed_within(samples, large_batch), True)[0]
     order_dependence = _on_one_device(model, functools.partial(
         _order_dependence, model, _take(x, in_order[:large_batch]), seed))
     # How far 16 bits move the large batch itself from its float32
     # training: where an optimizer that normalizes its steps (Adam,
     # RMSprop) turns rounding into steps, far beyond each gradient's own
-    # rounding.
+    # rounding. Not where the large batch skipped a step for overflow:
+    # that is no rounding, and its float32 twin skips none.
     in_float32 = None
-    if rounding_dtype in _EPSILON_16:
+    if rounding_dtype in _EPSILON_16 and not skipped:
         with _float32_policy():
             try:
-                in_float32, _ = _on_one_device(model, functools.partial(
-                    train, None, large_batch, in_order, True, True))
+                in_float32 = _on_one_device(model, functools.partial(
+                    train, None, large_batch, in_order, True, True))[0]
             except Exception:  # noqa: BLE001 - the floor stays its own
                 in_float32 = None
 
@@ -501,6 +503,17 @@ def _compiled_copy(model, settings):
     elif isinstance(copy, AccumulatingModel):
         accumulating(copy, n_gradients=1)
     return copy
+
+
+def _skipped_a_step(model):
+    """Whether `model`'s loss scaling skipped a step for overflow since it
+    was compiled: its dynamic scale below its initial one (a short check
+    grows it in no step)."""
+    scaling = adapter.LossScaling(model.optimizer)
+    if not scaling.active:
+        return False
+    initial = float(scaling.loss_scale_optimizer.initial_scale)
+    return float(np.array(scaling.current_scale())) < initial
 
 
 def _float32_twin(model):
