@@ -225,13 +225,15 @@ def test_trying_a_layer_that_adds_losses_leaves_it_as_it_was():
     assert float(np.array(layer.calls)) == 0.0
 
 
-def test_a_mean_added_with_add_loss_is_exact_and_quiet():
+def _fit_both_with(layer_class):
+    """Plain Keras's large batch and the window, each with a `layer_class`
+    layer named "penalty" between two Dense layers; and the warnings."""
     x, y = regression_data(samples=32)
 
     def build(model_class, **kwargs):
         keras.utils.set_random_seed(1)
         inputs = keras.Input((6,))
-        hidden = _MeanPenalty(name="penalty")(
+        hidden = layer_class(name="penalty")(
             keras.layers.Dense(8, activation="tanh")(inputs))
         return model_class(inputs=inputs,
                            outputs=keras.layers.Dense(3)(hidden), **kwargs)
@@ -240,36 +242,13 @@ def test_a_mean_added_with_add_loss_is_exact_and_quiet():
         warnings.simplefilter("always")
         plain, model = fit_both(build, lambda: keras.optimizers.SGD(0.5), x,
                                 y, micro_batch=4, n_gradients=4)
-    assert not [w for w in caught if "add_loss" in str(w.message)]
+    return plain, model, [str(w.message) for w in caught]
+
+
+def test_a_mean_added_with_add_loss_is_exact_and_quiet():
+    plain, model, messages = _fit_both_with(_MeanPenalty)
+    assert not [m for m in messages if "add_loss" in m]
     assert max_weight_difference(plain, model) <= 1e-6
-
-
-def test_a_mean_added_with_add_loss_beside_a_loss_of_valid_elements_is_named():
-    # `ignore_class` weighs each micro-batch by its labels not ignored; the
-    # added mean is per sample.
-    x, _ = regression_data(samples=32)
-    labels = (np.abs(x[:, 0] * 3).astype("int32") % 3)
-
-    def build(model_class, **kwargs):
-        keras.utils.set_random_seed(1)
-        inputs = keras.Input((6,))
-        hidden = _MeanPenalty(name="penalty")(
-            keras.layers.Dense(8, activation="tanh")(inputs))
-        return model_class(inputs=inputs,
-                           outputs=keras.layers.Dense(3)(hidden), **kwargs)
-
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
-                                                      ignore_class=0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        plain, model = fit_both(build, lambda: keras.optimizers.SGD(0.5), x,
-                                labels, micro_batch=4, n_gradients=4,
-                                loss=loss)
-    named = [str(w.message) for w in caught
-             if "valid elements" in str(w.message)]
-    assert max_weight_difference(plain, model) > 1e-5
-    assert len(named) == 1 and "['penalty']" in named[0]
-    assert not [w for w in caught if "add losses with" in str(w.message)]
 
 
 class _RunningMean(keras.layers.Layer):
@@ -490,18 +469,25 @@ def test_activity_penalty_beside_a_summed_loss_is_named_where_inexact():
         assert [m for m in messages if "adds other losses" in m]
 
 
-def test_activity_penalty_beside_a_loss_of_valid_elements_is_named():
+@pytest.mark.parametrize("penalty", ["activity_regularizer", "add_loss"])
+def test_a_penalty_per_sample_beside_a_loss_of_valid_elements_is_named(
+        penalty):
     # `ignore_class` makes the loss a mean over the labels not ignored, the
-    # weight of each micro-batch; the activity penalty is per sample.
+    # weight of each micro-batch; an activity penalty, or a mean a layer
+    # adds with `add_loss`, is per sample.
     x, _ = regression_data(samples=32)
     labels = (np.abs(x[:, 0] * 3).astype("int32") % 3)
 
     def build(model_class, **kwargs):
         keras.utils.set_random_seed(1)
         inputs = keras.Input((6,))
-        hidden = keras.layers.Dense(8, activation="tanh",
-                                    activity_regularizer="l2",
-                                    name="hidden")(inputs)
+        if penalty == "add_loss":
+            hidden = _MeanPenalty(name="hidden")(
+                keras.layers.Dense(8, activation="tanh")(inputs))
+        else:
+            hidden = keras.layers.Dense(8, activation="tanh",
+                                        activity_regularizer="l2",
+                                        name="hidden")(inputs)
         return model_class(inputs=inputs,
                            outputs=keras.layers.Dense(3)(hidden), **kwargs)
 
@@ -517,6 +503,7 @@ def test_activity_penalty_beside_a_loss_of_valid_elements_is_named():
              and "valid elements" in str(w.message)]
     assert max_weight_difference(plain, model) > 1e-5
     assert len(named) == 1 and "['hidden']" in named[0]
+    assert not [w for w in caught if "add losses with" in str(w.message)]
 
 
 class _LoadBalancing(keras.layers.Layer):
@@ -534,22 +521,10 @@ class _LoadBalancing(keras.layers.Layer):
 
 @pytest.mark.skipif(not hasattr(keras, "ops"), reason="keras.ops")
 def test_a_term_of_batch_statistics_is_named_as_beyond_any_weighting():
-    x, y = regression_data(samples=32)
-
-    def build(model_class, **kwargs):
-        keras.utils.set_random_seed(1)
-        inputs = keras.Input((6,))
-        hidden = _LoadBalancing(name="router")(keras.layers.Dense(8)(inputs))
-        return model_class(inputs=inputs,
-                           outputs=keras.layers.Dense(3)(hidden), **kwargs)
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        plain, model = fit_both(build, lambda: keras.optimizers.SGD(0.5), x,
-                                y, micro_batch=4, n_gradients=4)
-    named = [str(w.message) for w in caught if "add_loss" in str(w.message)]
+    plain, model, messages = _fit_both_with(_LoadBalancing)
+    named = [m for m in messages if "add_loss" in m]
     assert max_weight_difference(plain, model) > 1e-4
-    assert len(named) == 1 and "['router']" in named[0]
+    assert len(named) == 1 and "['penalty']" in named[0]
     assert "no weighting of the micro-batches" in named[0]
 
 
