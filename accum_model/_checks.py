@@ -501,6 +501,7 @@ def warn_if_layers_add_losses(model, warn):
     """
     adding = [layer for layer in class_tree.layers_of(model)
               if "add_loss" in _names_reached_from_call(type(layer))]
+    model._accumulation.layers_adding_means = []
     losses = flatten(model.loss)
     if not adding or (losses and all(
             getattr(loss, "reduction", None) == "sum" for loss in losses)):
