@@ -298,6 +298,35 @@ def warn_if_loss_divisor_is_unknown(model_class, warn):
     return True
 
 
+def _tried_on_parts(function, batch, samples_axis=0):
+    """`function`'s values (floats) on the first 3 samples of the generated
+    `batch` (8 samples on `samples_axis`, `_generated_batch`), on the other
+    5 and on all 8; None where it fails on any (what it does with a batch
+    cannot be told)."""
+    first, rest = np.split(batch, [3], axis=samples_axis)
+    parts = (first, rest, batch)
+    try:
+        return [adapter.value_of_call(function, part) for part in parts]
+    except Exception:  # noqa: BLE001 - any failure: it cannot be told
+        return None
+
+
+def _is_mean_of_parts(values, tolerance=1e-4):
+    """Whether `_tried_on_parts`'s values make the whole batch's the mean
+    of the parts', weighted by their samples (3 and 5)."""
+    first, second, both = values
+    return math.isclose(both, (3.0 * first + 5.0 * second) / 8.0,
+                        rel_tol=tolerance, abs_tol=1e-12)
+
+
+def _is_sum_of_parts(values, tolerance=1e-4):
+    """Whether `_tried_on_parts`'s values make the whole batch's the sum of
+    the parts'."""
+    first, second, both = values
+    return math.isclose(both, first + second, rel_tol=tolerance,
+                        abs_tol=1e-12)
+
+
 def note_losses_that_are_means(model):
     """Finds the compiled loss functions of the user's that return their
     batch's mean over the samples as one number, which the window weighs
@@ -353,15 +382,9 @@ def _is_a_mean_over_samples(function, shape):
     pairs = np.stack([_generated_batch(shape, "float32"),
                       _generated_batch(shape, "float32", seed=1,
                                        padded=False)])
-    try:
-        first, second, both = (
-            adapter.value_of_call(lambda pair: function(pair[0], pair[1]),
-                                  part)
-            for part in (pairs[:, :3], pairs[:, 3:], pairs))
-    except Exception:  # noqa: BLE001 - any failure: it cannot be told
-        return False
-    return math.isclose(both, (3.0 * first + 5.0 * second) / 8.0,
-                        rel_tol=1e-4, abs_tol=1e-12)
+    values = _tried_on_parts(lambda pair: function(pair[0], pair[1]), pairs,
+                             samples_axis=1)
+    return values is not None and _is_mean_of_parts(values)
 
 
 def warn_if_batch_statistics_differ(model, warn):
@@ -575,22 +598,20 @@ def _added_loss_growth(layer):
         return sum(layer.losses)
 
     try:
-        first, second, both = (adapter.value_of_call(added_losses, part)
-                               for part in (inputs[:3], inputs[3:], inputs))
-    except Exception:  # noqa: BLE001 - any failure: it cannot be told
-        return None
+        values = _tried_on_parts(added_losses, inputs)
     finally:
         for variable, value in zip(variables, saved):
             if not np.array_equal(np.array(variable), value):
                 variable.assign(value)
+    if values is None:
+        return None
     # A layer computing in 16 bits rounds each value to about 1e-3 (float16)
     # or 1e-2 (bfloat16); a mean over padding left out is off by a tenth.
     tolerance = (3e-2 if str(getattr(layer, "compute_dtype", "float32"))
                  in ("float16", "bfloat16") else 1e-4)
-    if math.isclose(both, (3.0 * first + 5.0 * second) / 8.0,
-                    rel_tol=tolerance, abs_tol=1e-12):
+    if _is_mean_of_parts(values, tolerance):
         return "mean"
-    if math.isclose(both, first + second, rel_tol=tolerance, abs_tol=1e-12):
+    if _is_sum_of_parts(values, tolerance):
         return "sum"
     return None
 
@@ -628,19 +649,11 @@ def warn_if_activity_penalties_are_not_means(model, warn):
         if regularizer is None or (divided and class_tree.is_keras_class(
                 type(regularizer))):
             continue
-        activations = np.random.default_rng(0).uniform(
-            0.05, 0.95, size=(8,) + _sample_shape(layer)).astype("float32")
-        try:
-            first, second, both = (
-                adapter.value_of_call(regularizer, part)
-                for part in (activations[:3], activations[3:], activations))
-        except Exception:  # noqa: BLE001 - any failure: it cannot be told
-            not_means.append(layer.name)
-            continue
+        values = _tried_on_parts(regularizer, _generated_batch(
+            _sample_shape(layer), "float32", padded=False))
         # Divided by the batch size, a sum becomes a mean.
-        expected = (first + second if divided
-                    else (3.0 * first + 5.0 * second) / 8.0)
-        if not math.isclose(both, expected, rel_tol=1e-4, abs_tol=1e-12):
+        adds_up = _is_sum_of_parts if divided else _is_mean_of_parts
+        if values is None or not adds_up(values):
             not_means.append(layer.name)
     if not not_means:
         return

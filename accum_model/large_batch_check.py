@@ -230,8 +230,7 @@ def _compare(model, x, y, batch_size, n_gradients, steps, sample_weight,
               in_float32=False):
         """The copy's weights after training, its warnings, and whether
         its loss scaling skipped a step."""
-        copy = (_float32_twin(model) if in_float32
-                else _compiled_copy(model, copy_settings))
+        copy = _compiled_copy(model, copy_settings, in_float32)
         if switch_off:
             _switch_off_random_layers(copy)
         x_, y_, w_ = (_take(part, order) for part in (x, y, sample_weight))
@@ -482,18 +481,22 @@ def _on_one_device(model, work):
     return outcome["value"]
 
 
-def _compiled_copy(model, settings):
+def _compiled_copy(model, settings, in_float32=False):
     """A copy of `model` with its weights, compiled as it is with a fresh
     copy of its optimizer; accumulating with `settings`, or plain Keras
     where `settings` is None. It is built under the strategy in force in
-    this thread (the model's, or one device's in `_on_one_device`)."""
+    this thread (the model's, or one device's in `_on_one_device`).
+    `in_float32`: its float32 twin (see `_copy`), compiled without loss
+    scaling, to be built and trained under the float32 global policy."""
     strategy = (getattr(model, "distribute_strategy", None)
                 if settings is not None else None)
     with (strategy.scope() if strategy is not None
           else contextlib.nullcontext()):
-        copy = _copy(model)
+        copy = _copy(model, in_float32)
         arguments = dict(adapter.compile_arguments(model))
         optimizer = model.optimizer
+        if in_float32:
+            optimizer = getattr(optimizer, "inner_optimizer", optimizer)
         arguments.update(
             optimizer=type(optimizer).from_config(optimizer.get_config()),
             metrics=None, weighted_metrics=None)
@@ -514,29 +517,6 @@ def _skipped_a_step(model):
         return False
     initial = float(scaling.loss_scale_optimizer.initial_scale)
     return float(np.array(scaling.current_scale())) < initial
-
-
-def _float32_twin(model):
-    """A plain copy of `model` whose layers compute in float32, with its
-    weights, compiled with a fresh copy of its optimizer (without loss
-    scaling): rebuilt from its config with every 16-bit or mixed dtype
-    policy in it made float32, under the float32 global policy."""
-    classes = {type(layer).__name__: type(layer)
-               for layer in class_tree.layers_of(model)}
-    with adapter.saving.unsafe_deserialization(), \
-            keras.utils.custom_object_scope(classes), \
-            adapter.saving.compiled_state_hidden(model):
-        twin = type(model).from_config(_in_float32(model.get_config()))
-    twin.set_weights(model.get_weights())
-    arguments = dict(adapter.compile_arguments(model))
-    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
-    arguments.update(
-        optimizer=type(optimizer).from_config(optimizer.get_config()),
-        metrics=None, weighted_metrics=None)
-    twin.compile(**arguments)
-    if isinstance(twin, AccumulatingModel):
-        accumulating(twin, n_gradients=1)
-    return twin
 
 
 # The dtype policies a float32 twin computes in float32 instead.
@@ -576,21 +556,27 @@ def _float32_policy():
         keras.mixed_precision.set_global_policy(policy)
 
 
-def _copy(model):
+def _copy(model, in_float32=False):
     """A copy of `model` with its weights: `keras.models.clone_model`'s,
     else its class rebuilt from `get_config`, uncompiled. The model's own
     layer classes are in scope, registered or not, and Keras's safe mode is
     lifted: the model is the caller's own, in this process (a `Lambda`'s
-    Python function, a `TorchModuleWrapper`'s module)."""
+    Python function, a `TorchModuleWrapper`'s module). `in_float32`: its
+    float32 twin, rebuilt from its config with every 16-bit or mixed dtype
+    policy in it made float32 (`_in_float32`)."""
     classes = {type(layer).__name__: type(layer)
                for layer in class_tree.layers_of(model)}
     errors = []
+    if in_float32:
+        ways = (lambda model: type(model).from_config(
+            _in_float32(model.get_config())),)
+    else:
+        ways = (keras.models.clone_model,
+                lambda model: type(model).from_config(model.get_config()))
     with adapter.saving.unsafe_deserialization(), \
             keras.utils.custom_object_scope(classes), \
             adapter.saving.compiled_state_hidden(model):
-        for make in (keras.models.clone_model,
-                     lambda model: type(model).from_config(
-                         model.get_config())):
+        for make in ways:
             try:
                 copy = make(model)
                 # A keras-hub task clones with its tied embedding twice.

@@ -546,6 +546,13 @@ def _precision(use):
         keras.backend.set_floatx("float32")
 
 
+def _compiled(use, model):
+    """`model` compiled with `use`'s optimizer, loss and loss weights."""
+    model.compile(optimizer=_optimizer(use), loss=_loss(use),
+                  loss_weights=_loss_weights(use))
+    return model
+
+
 def run(use):
     """Trains `use` three ways (see the module) and returns an `Outcome`."""
     with _precision(use):
@@ -559,9 +566,7 @@ def _run(use):
     validation = (_rows(x, slice(0, 8)), _rows(y, slice(0, 8)))
 
     def compiled(model):
-        model.compile(optimizer=_optimizer(use), loss=_loss(use),
-                      loss_weights=_loss_weights(use))
-        return model
+        return _compiled(use, model)
 
     def fit(model, batch_size, order, data="arrays", callbacks=(),
             first=0):
@@ -605,17 +610,16 @@ def _run(use):
         messages = [str(w.message) for w in caught
                     if issubclass(w.category, UserWarning)
                     and not _inside_a_library(w.filename)]
-        trained.append(model)
         return model.get_weights(), history.history, messages
 
     in_order = np.arange(use.samples)
-    trained = []
     try:
-        reference, plain_record, plain_messages = fit(
-            _model(use, keras.Model), large_batch, in_order)
+        plain = _model(use, keras.Model)
+        reference, plain_record, plain_messages = fit(plain, large_batch,
+                                                      in_order)
         # A step the large batch skipped for overflow is no rounding: its
         # float32 twin below skips none.
-        reference_skipped = _skipped_a_step(trained[-1])
+        reference_skipped = _skipped_a_step(plain)
     except Exception as error:  # noqa: BLE001 - Keras's own, any kind
         # Nothing to compare with (Keras 3.15.1 on TensorFlow cannot add
         # an activity penalty computed in float16 to its float32 loss).
@@ -918,9 +922,7 @@ def check(use):
 
     with _precision(use):
         x, y, sample_weight, _ = _data(use)
-        model = _model(use, keras.Model)
-        model.compile(optimizer=_optimizer(use), loss=_loss(use),
-                      loss_weights=_loss_weights(use))
+        model = _compiled(use, _model(use, keras.Model))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             comparison = compare_with_large_batch(

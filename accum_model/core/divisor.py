@@ -342,8 +342,7 @@ def default_weight(model, x, y_pred, get_mask, ops):
     """
     if model._accumulation.weight_from_batch_size:
         return ops.to_float32(batch_size(x, ops))
-    masked = any(get_mask(output) is not None
-                 for output in ops.flatten(y_pred) if output is not None)
+    masked = _has_keras_mask(y_pred, get_mask, ops)
     weight = micro_batch_weight(
         getattr(model, "_traced_loss_reductions", []),
         lambda: fallback_divisor(x, y_pred, get_mask, ops),
@@ -354,6 +353,13 @@ def default_weight(model, x, y_pred, get_mask, ops):
     )
     # "sum": nothing divides; the window is the sum of its micro-batches.
     return ops.to_float32(1.0) if weight is SUM else weight
+
+
+def _has_keras_mask(y_pred, get_mask, ops):
+    """Whether some output of the predictions `y_pred` carries a Keras
+    mask."""
+    return any(get_mask(output) is not None
+               for output in ops.flatten(y_pred) if output is not None)
 
 
 def fallback_divisor(x, y_pred, get_mask, ops):
@@ -467,9 +473,8 @@ def warn_if_activity_penalty_is_misweighted(model, y_pred, get_mask, ops):
     if model_class.micro_batch_weight is not base.micro_batch_weight:
         return
     reductions = getattr(model, "_traced_loss_reductions", [])
-    valid_only = any(r.counts_valid for r in reductions) or any(
-        get_mask(output) is not None
-        for output in ops.flatten(y_pred) if output is not None)
+    valid_only = (any(r.counts_valid for r in reductions)
+                  or _has_keras_mask(y_pred, get_mask, ops))
     regularized = [
         layer.name for layer in model._flatten_layers()
         if getattr(layer, "activity_regularizer", None) is not None
